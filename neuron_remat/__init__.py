@@ -1,0 +1,54 @@
+"""neuron_remat: plan and inject JAX remat (checkpoint) policies that fit Trainium HBM at
+the least recompute.
+
+    >>> import neuron_remat as nr
+    >>> spec = nr.from_instance_type("trn2.48xlarge")
+    >>> plan = nr.plan(spec, nr.get_model("fuji-70b"), nr.StepShape(seq_len=4096),
+    ...                nr.Parallelism(tp=4, fsdp=-1, hosts=8))
+    >>> layer = nr.checkpoint(my_layer, stack="stacked", model="fuji-70b")  # doctest: +SKIP
+
+Nothing here touches hardware or starts JAX's backends at import time.
+"""
+
+from .device import DeviceSpec, detect, from_instance_type, parse_device
+from .memory_model import (
+    AXLEARN_TAGS,
+    MAXTEXT_TAGS,
+    MODELS,
+    Budget,
+    Footprint,
+    Parallelism,
+    StepShape,
+    TagCost,
+    TagNames,
+    TransformerConfig,
+    budget,
+    from_hf_config,
+    get_model,
+    layer_footprint,
+    model_state_bytes,
+    traced_footprint,
+)
+from .plugin import RematChoice, checkpoint, provide, resolve_policy
+from .policies import (
+    PRESETS,
+    AuditReport,
+    NoFitError,
+    Plan,
+    RegexPolicy,
+    audit,
+    plan,
+    preset,
+    save_and_offload_only_these_names_regex,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AXLEARN_TAGS", "MAXTEXT_TAGS", "MODELS", "PRESETS", "AuditReport", "Budget",
+    "DeviceSpec", "Footprint", "NoFitError", "Parallelism", "Plan", "RegexPolicy",
+    "RematChoice", "StepShape", "TagCost", "TagNames", "TransformerConfig", "audit", "budget",
+    "checkpoint", "detect", "from_hf_config", "from_instance_type", "get_model",
+    "layer_footprint", "model_state_bytes", "parse_device", "plan", "preset", "provide",
+    "resolve_policy", "save_and_offload_only_these_names_regex", "traced_footprint",
+]

@@ -1,0 +1,272 @@
+"""What JAX itself says about a function: the tags it emits, the residuals a policy keeps,
+and the work its linearized (backward) program does. Shared by `memory_model` and
+`policies`; JAX is imported here, so the public modules import this one lazily."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src.ad_checkpoint import name_p, saved_residuals
+from jax.extend import core as jcore
+
+NAME_PRIMITIVE = str(name_p)
+
+
+def is_name_primitive(prim: Any) -> bool:
+    return prim is name_p or str(prim) == NAME_PRIMITIVE
+
+
+@dataclass(frozen=True)
+class TagInfo:
+    """One ``checkpoint_name`` tag as the traced program emits it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int  # per emission
+    count: int  # emissions per call (scan bodies count once per iteration)
+
+
+@dataclass(frozen=True)
+class Residual:
+    """One value JAX keeps for the backward."""
+
+    kind: str  # "tag", "argument" or "other"
+    name: str  # the tag, the argument, or JAX's description
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+
+
+def _aval_bytes(aval: Any) -> int:
+    return int(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+
+
+def _sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, int]]:
+    """(jaxpr, multiplicity) for each jaxpr inside an equation's parameters."""
+    mult = int(eqn.params.get("length", 1)) if str(eqn.primitive) == "scan" else 1
+    for value in eqn.params.values():
+        items = value if isinstance(value, (tuple, list)) else (value,)
+        for item in items:
+            if isinstance(item, jcore.ClosedJaxpr):
+                yield item.jaxpr, mult
+            elif isinstance(item, jcore.Jaxpr):
+                yield item, mult
+
+
+def _walk(jaxpr: Any, mult: int = 1) -> Iterator[tuple[Any, int]]:
+    for eqn in jaxpr.eqns:
+        yield eqn, mult
+        for sub, m in _sub_jaxprs(eqn):
+            yield from _walk(sub, mult * m)
+
+
+def _closed(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    return jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args)
+
+
+def emitted_tags(fn: Callable[..., Any], args: Sequence[Any],
+                 kwargs: dict[str, Any] | None = None) -> list[TagInfo]:
+    """Every tag `fn` emits, in program order, merged by name."""
+    closed = _closed(fn, args, kwargs or {})
+    found: dict[str, TagInfo] = {}
+    for eqn, mult in _walk(closed.jaxpr):
+        if not is_name_primitive(eqn.primitive):
+            continue
+        name = eqn.params["name"]
+        aval = eqn.invars[0].aval
+        info = found.get(name)
+        if info is None:
+            found[name] = TagInfo(name, tuple(aval.shape), str(np.dtype(aval.dtype)),
+                                  _aval_bytes(aval), mult)
+        else:
+            # The same name twice (e.g. a kernel's output and its log-sum-exp).
+            found[name] = TagInfo(name, info.shape, info.dtype,
+                                  info.bytes + _aval_bytes(aval), max(info.count, mult))
+    return list(found.values())
+
+
+_NAMED = re.compile(r"named '(?P<name>.*)' from ")
+_ARG = re.compile(r"from the argument (?P<name>.*)$")
+
+
+def residuals(fn: Callable[..., Any], args: Sequence[Any],
+              kwargs: dict[str, Any] | None = None,
+              arg_names: Sequence[str] | None = None) -> list[Residual]:
+    """What JAX's saved-residuals analysis keeps for `fn` (already wrapped in
+    ``jax.checkpoint`` when a policy is to apply). Arguments are reported by the names in
+    `arg_names` (one per flattened leaf) when given."""
+    leaves, tree = jax.tree.flatten(tuple(args))
+    kwargs = kwargs or {}
+
+    def flat(*leaves: Any) -> Any:
+        return fn(*jax.tree.unflatten(tree, leaves), **kwargs)
+
+    out = []
+    for aval, src in saved_residuals(flat, *leaves):
+        shape, dtype = tuple(aval.shape), str(np.dtype(aval.dtype))
+        nbytes = _aval_bytes(aval)
+        if m := _NAMED.search(src):
+            out.append(Residual("tag", m.group("name"), shape, dtype, nbytes))
+        elif m := _ARG.search(src):
+            name = m.group("name")
+            idx = re.fullmatch(r"leaves\[(\d+)\]", name)
+            if idx and arg_names is not None:
+                name = arg_names[int(idx.group(1))]
+            out.append(Residual("argument", name, shape, dtype, nbytes))
+        else:
+            out.append(Residual("other", src, shape, dtype, nbytes))
+    return out
+
+
+def leaf_argnums(args: Sequence[Any]) -> list[int]:
+    """For each flattened leaf of `args`, the index of the argument it belongs to."""
+    return [i for i, a in enumerate(args) for _ in jax.tree.leaves(a)]
+
+
+# XLA's cost analysis counts one FLOP per element for arithmetic, none for data movement,
+# and transcendental functions separately; this mirrors it on jaxpr equations.
+_FREE = {
+    "broadcast_in_dim", "reshape", "transpose", "squeeze", "expand_dims", "slice",
+    "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "gather", "scatter",
+    "iota", "copy", "copy_p", "select_and_gather_add", "rev", "name", "pjit", "jit",
+    "closed_call", "remat", "checkpoint", "custom_jvp_call", "custom_vjp_call", "scan",
+    "while", "cond", "stop_gradient", "optimization_barrier", "sharding_constraint",
+    "device_put", "split", "mul_transpose", "convert_element_type_p",
+    "exp", "exp2", "log", "log1p", "tanh", "logistic", "rsqrt", "sqrt", "sin", "cos",
+    "erf", "erf_inv", "pow", "expm1", "atan2", "cbrt", "random_bits", "random_wrap",
+    "random_unwrap", "random_seed", "threefry2x32",
+}
+_REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
+           "reduce_and", "reduce_or", "cumsum", "cummax", "cumlogsumexp"}
+
+
+def eqn_flops(eqn: Any) -> int:
+    name = str(eqn.primitive)
+    if name == "dot_general":
+        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval.shape
+        k = math.prod(lhs[i] for i in lhs_contract)
+        return 2 * int(math.prod(eqn.outvars[0].aval.shape)) * int(k)
+    if name in _FREE:
+        return 0
+    if name in _REDUCE:
+        return int(math.prod(eqn.invars[0].aval.shape))
+    if name == "integer_pow":
+        y = abs(int(eqn.params.get("y", 2)))
+        per = max(1, y.bit_length() - 1 + bin(y).count("1") - 1)
+        return per * int(math.prod(eqn.outvars[0].aval.shape))
+    out = eqn.outvars[0].aval if eqn.outvars else None
+    return int(math.prod(getattr(out, "shape", ()))) if out is not None else 0
+
+
+@dataclass(frozen=True)
+class ProgramCost:
+    dot_generals: int  # equations, as written (a scan body counts once)
+    dot_flops: int  # scan bodies multiplied by their length
+    flops: int
+
+
+def jaxpr_cost(jaxpr: Any) -> ProgramCost:
+    dots = dot_flops = flops = 0
+    for eqn, mult in _walk(jaxpr):
+        f = eqn_flops(eqn) * mult
+        flops += f
+        if str(eqn.primitive) == "dot_general":
+            dots += 1
+            dot_flops += f
+    return ProgramCost(dots, dot_flops, flops)
+
+
+def linearized_cost(fn: Callable[..., Any], args: Sequence[Any],
+                    kwargs: dict[str, Any] | None = None) -> ProgramCost:
+    """Work in the linearized program of `fn`: what the backward does, recomputation
+    included (the same program jax.linearize prints)."""
+    kwargs = kwargs or {}
+    _, lin = jax.linearize(lambda *a: fn(*a, **kwargs), *args)
+    tangents = jax.tree.map(lambda a: np.zeros(np.shape(a), _tangent_dtype(a)), tuple(args))
+    closed = jax.make_jaxpr(lin)(*tangents)
+    return jaxpr_cost(closed.jaxpr)
+
+
+def _tangent_dtype(a: Any) -> Any:
+    dtype = np.dtype(getattr(a, "dtype", np.float32))
+    return dtype if np.issubdtype(dtype, np.inexact) else jax.dtypes.float0
+
+
+def checkpointed(fn: Callable[..., Any], policy: Any, prevent_cse: bool = True
+                 ) -> Callable[..., Any]:
+    return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
+
+
+@dataclass(frozen=True)
+class _OnlyThese:
+    names: frozenset[str]
+
+    def __call__(self, prim: Any, *_: Any, **params: Any) -> bool:
+        return is_name_primitive(prim) and params["name"] in self.names
+
+
+def traced_footprint(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
+                     *, activation_argnums: Sequence[int], only: Sequence[str] | None) -> Any:
+    from .memory_model import Footprint, TagCost  # noqa: PLC0415
+
+    leaf_args = leaf_argnums(args)
+    names = [f"argument {i}" for i in leaf_args]
+    acts = set(activation_argnums)
+    bad = [i for i in acts if not 0 <= i < len(args)]
+    if bad:
+        raise ValueError(f"activation_argnums {bad} out of range for {len(args)} arguments")
+
+    def kept(policy_names: frozenset[str]) -> tuple[int, dict[str, int]]:
+        res = residuals(checkpointed(fn, _OnlyThese(policy_names)), args, kwargs, names)
+        by_tag: dict[str, int] = {}
+        activation = 0
+        for r in res:
+            if r.kind == "tag":
+                by_tag[r.name] = by_tag.get(r.name, 0) + r.bytes
+                activation += r.bytes
+            elif r.kind == "argument":
+                if int(r.name.split()[1]) in acts:
+                    activation += r.bytes
+            else:
+                activation += r.bytes
+        return activation, by_tag
+
+    def cost(policy_names: frozenset[str]) -> int:
+        return linearized_cost(checkpointed(fn, _OnlyThese(policy_names)), args, kwargs).flops
+
+    infos = emitted_tags(fn, args, kwargs)
+    if only is not None:
+        missing = sorted(set(only) - {i.name for i in infos})
+        if missing:
+            raise ValueError(f"tags {missing} are not emitted by the function; it emits "
+                             f"{[i.name for i in infos]}")
+        infos = [i for i in infos if i.name in set(only)]
+    base_bytes, _ = kept(frozenset())
+    base_flops = cost(frozenset())
+    forward = jaxpr_cost(_closed(fn, args, kwargs).jaxpr).flops
+    tags: dict[str, Any] = {}
+    for info in infos:
+        one = frozenset([info.name])
+        b, by_tag = kept(one)
+        flops = base_flops - cost(one)
+        extra = b - base_bytes
+        always = info.name in by_tag and extra <= 0
+        note = ""
+        if always:
+            note = "an input of the function: kept whatever the policy says"
+        elif extra <= 0:
+            note = "the backward never reads it: saving it keeps nothing"
+        tags[info.name] = TagCost(
+            bytes=info.bytes * info.count if always else max(extra, 0),
+            recompute_flops=float(max(flops, 0)), always_kept=always,
+            size_bytes=info.bytes * info.count, shape=info.shape, dtype=info.dtype, note=note)
+    return Footprint(tags, always_kept_bytes=base_bytes,
+                     forward_flops=float(forward))

@@ -1,0 +1,25 @@
+"""Equinox: ``eqx.filter_checkpoint`` with the resolved policy (resolved when traced)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..plugin import _check_stack, default_prevent_cse, deferred
+
+__all__ = ["filter_checkpoint"]
+
+
+def filter_checkpoint(fn: Callable[..., Any] | None = None, *, default: Any = None,
+                      stack: str = "stacked", prevent_cse: bool | None = None,
+                      **context: Any) -> Any:
+    """``equinox.filter_checkpoint(fn)`` with the policy the providers choose for
+    `context`, or `default` when none answers; usable as a decorator."""
+    import equinox as eqx  # noqa: PLC0415
+
+    _check_stack(stack)
+    cse = default_prevent_cse(stack) if prevent_cse is None else prevent_cse
+    policy = deferred(default, stack=stack, **context)
+    if fn is None:
+        return lambda g: eqx.filter_checkpoint(g, prevent_cse=cse, policy=policy)
+    return eqx.filter_checkpoint(fn, prevent_cse=cse, policy=policy)

@@ -1,0 +1,341 @@
+"""``neuron-remat``: detect the device, plan a remat policy, audit one, list presets."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from . import device as dev
+from . import memory_model as mm
+from . import policies
+
+__all__ = ["main"]
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+# --------------------------------------------------------------------------------------
+# detect
+# --------------------------------------------------------------------------------------
+
+
+def _cmd_detect(args: argparse.Namespace) -> int:
+    spec = dev.detect(refresh=True)
+    if args.json:
+        _print_json(spec.to_dict())
+        return 0
+    print(spec.describe())
+    print("evidence (* decided):")
+    for e in spec.evidence:
+        print(f"  {e}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------
+# plan
+# --------------------------------------------------------------------------------------
+
+
+def _device_for_plan(text: str) -> tuple[dev.DeviceSpec, str | None]:
+    if text == "detected":
+        return dev.detect(), None
+    if text == "auto":
+        spec = dev.detect()
+        if spec.is_neuron:
+            return spec, None
+        sim = dev.from_instance_type("trn2.48xlarge")
+        return sim, (f"no Neuron device here ({spec.family}): planning for a simulated "
+                     "trn2.48xlarge; pass --device to choose another")
+    return dev.parse_device(text, source="command line"), None
+
+
+def _model(text: str) -> mm.TransformerConfig:
+    if os.path.isfile(text):
+        with open(text, encoding="utf-8") as fh:
+            return mm.from_hf_config(json.load(fh), name=os.path.basename(text))
+    return mm.get_model(text)
+
+
+def _plan_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
+    config = _model(args.model)
+    changes: dict[str, Any] = {}
+    if args.flash_attention is not None:
+        changes["flash_attention"] = args.flash_attention
+    if args.tags == "maxtext":
+        changes["tags"] = mm.MAXTEXT_TAGS
+    if changes:
+        config = dataclasses.replace(config, **changes)
+    seq = args.seq_len or config.default_seq_len
+    if seq is None:
+        raise ValueError(f"{config.name} has no default sequence length; pass --seq-len")
+    optimizer: str | float = args.optimizer
+    try:
+        optimizer = float(args.optimizer)
+    except ValueError:
+        pass
+    shape = mm.StepShape(seq_len=seq, micro_batch=args.micro_batch,
+                         activation_dtype=args.activation_dtype, param_dtype=args.param_dtype,
+                         optimizer=optimizer)
+    seq_par = args.tp > 1 if args.sequence_parallel is None else args.sequence_parallel
+    par = mm.Parallelism(tp=args.tp, sequence_parallel=seq_par, fsdp=args.fsdp,
+                         dp=args.dp, pp=args.pp, schedule=args.schedule,
+                         microbatches=args.microbatches, zero1=args.zero1, hosts=args.hosts)
+    device, note = _device_for_plan(args.device)
+    reserve: float | int | None = None
+    if args.reserve is not None:
+        try:
+            reserve = float(args.reserve)
+        except ValueError:
+            reserve = dev.parse_bytes(args.reserve, what="--reserve")
+    candidates = args.candidates.split(",") if args.candidates else None
+    return config, shape, par, device, note, reserve, candidates
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    config, shape, par, device, note, reserve, candidates = _plan_inputs(args)
+    try:
+        chosen = policies.plan(device, config, shape, par, candidates, reserve=reserve)
+    except policies.NoFitError as err:
+        if args.json:
+            _print_json({"error": str(err)})
+        else:
+            print(f"error: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        out = chosen.to_dict()
+        if note:
+            out["note"] = note
+        out["maxtext_overrides"] = _maxtext(chosen)
+        _print_json(out)
+    else:
+        if note:
+            print(f"note: {note}")
+        print(f"{config.name}: seq {shape.seq_len} x micro-batch {shape.micro_batch}, "
+              f"tp={chosen.parallelism.tp} fsdp={chosen.parallelism.fsdp} "  # type: ignore[union-attr]
+              f"dp={chosen.parallelism.dp} pp={chosen.parallelism.pp} on "  # type: ignore[union-attr]
+              f"{device.describe()}")
+        print(chosen.table())
+    if args.plot:
+        return _plot(chosen, config, shape, args.plot)
+    return 0
+
+
+def _maxtext(chosen: policies.Plan) -> dict[str, str] | None:
+    if chosen.config is None or chosen.config.tags.vocabulary != "maxtext":
+        return None
+    from .adapters import maxtext  # noqa: PLC0415
+
+    return maxtext.overrides_for(chosen)
+
+
+def _plot(chosen: policies.Plan, config: mm.TransformerConfig, shape: mm.StepShape,
+          path: str) -> int:
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        print("error: --plot needs matplotlib, which is not installed "
+              "(pip install matplotlib); the plan above is complete without it",
+              file=sys.stderr)
+        return 1
+    bud = chosen.budget
+    assert bud is not None and chosen.config is not None
+    fp = mm.layer_footprint(chosen.config, shape, chosen.parallelism)
+    scale = chosen.layers_per_core * chosen.inflight
+    bars = {
+        "full remat": fp.evaluate(())[0] * scale,
+        "plan": chosen.activation_bytes,
+        "save every tag": fp.evaluate([t for t in fp if not fp[t].always_kept])[0] * scale,
+    }
+    gib = float(dev.GiB)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    parts = [("parameters", bud.state.params_bytes, "#4c72b0"),
+             ("gradients", bud.state.grads_bytes, "#55a868"),
+             ("optimizer", bud.state.optimizer_bytes, "#8172b2"),
+             ("reserve", bud.reserve_bytes, "#937860"),
+             ("workspace", bud.workspace_bytes, "#da8bc3")]
+    names = list(bars)
+    bottom = [0.0] * len(names)
+    for label, value, color in parts:
+        ax.bar(names, [value / gib] * len(names), bottom=bottom, label=label, color=color)
+        bottom = [b + value / gib for b in bottom]
+    ax.bar(names, [v / gib for v in bars.values()], bottom=bottom, label="kept activations",
+           color="#c44e52")
+    ax.axhline(bud.hbm_bytes / gib, color="black", linestyle="--",
+               label=f"HBM per core ({bud.hbm_bytes / gib:.3g} GiB)")
+    ax.set_ylabel("GiB per core")
+    ax.set_title(f"{config.name}, seq {shape.seq_len}: memory per core")
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+# --------------------------------------------------------------------------------------
+# audit, presets
+# --------------------------------------------------------------------------------------
+
+
+def _load_factory(spec: str) -> Any:
+    module, sep, attr = spec.partition(":")
+    if not sep or not module or not attr:
+        raise ValueError(f"{spec!r} is not MODULE:FUNCTION (e.g. mypkg.layers:make_layer)")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    made = obj()
+    if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
+        raise ValueError(f"{spec}() must return (fn, args); got {type(made).__name__}")
+    fn, fargs = made
+    return fn, tuple(fargs)
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    if args.policy and (args.save or args.offload):
+        raise ValueError("give --policy or --save/--offload, not both")
+    if args.policy:
+        policy = policies.preset(args.policy)
+    else:
+        policy = policies.RegexPolicy(args.save or (), args.offload or (),
+                                      offload_src="device" if args.offload else None,
+                                      offload_dst=args.offload_dst if args.offload else None)
+    fn, fargs = _load_factory(args.target)
+    report = policies.audit(fn, *fargs, policy=policy)
+    if args.json:
+        _print_json(report.to_dict())
+    else:
+        print(report.table())
+    return 2 if (args.strict and report.dead_patterns) else 0
+
+
+def _cmd_presets(args: argparse.Namespace) -> int:
+    rows = [{"name": p.name, "save": list(p.policy.save), "offload": list(p.policy.offload),
+             "reason": p.reason} for p in policies.PRESETS.values()]
+    if args.json:
+        _print_json(rows)
+        return 0
+    for r in rows:
+        print(f"{r['name']}:")
+        print(f"  save:   {' | '.join(r['save']) or '(nothing)'}")
+        print(f"  reason: {r['reason']}")
+    return 0
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    rows = [{"name": m.name, "hidden": m.hidden, "heads": m.heads, "kv_heads": m.kv_heads,
+             "ffn": m.ffn, "layers": m.layers, "vocab": m.vocab,
+             "params": m.param_count(), "flash_attention": m.flash_attention,
+             "default_seq_len": m.default_seq_len, "source": m.source}
+            for m in mm.MODELS.values()]
+    if args.json:
+        _print_json(rows)
+        return 0
+    for r in rows:
+        print(f"{r['name']:12s} {r['params'] / 1e9:7.2f}B params  h={r['hidden']} "
+              f"heads={r['heads']}/{r['kv_heads']} ffn={r['ffn']} L={r['layers']}  "
+              f"[{r['source']}]")
+    return 0
+
+
+# --------------------------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="neuron-remat",
+        description="Pick the JAX remat (checkpoint) policy that fits Trainium HBM at the "
+                    "least recompute.")
+    p.add_argument("-v", "--verbose", action="store_true", help="log what happens")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    d = sub.add_parser("detect", help="show the detected device and the evidence")
+    d.add_argument("--json", action="store_true", help="print JSON")
+    d.set_defaults(run=_cmd_detect)
+
+    pl = sub.add_parser("plan", help="plan the tags to save for a model on a device")
+    pl.add_argument("--model", default="fuji-70b",
+                    help="built-in model name or a Hugging Face config.json path "
+                         "(default fuji-70b; see 'neuron-remat models')")
+    pl.add_argument("--device", default="auto",
+                    help="instance type or family with options (trn2.48xlarge, "
+                         "trn2:lnc=1:hbm=8GiB), 'detected', or 'auto' (detected if Neuron, "
+                         "else a simulated trn2.48xlarge; the default)")
+    pl.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
+    pl.add_argument("--micro-batch", type=int, default=1, help="sequences per replica")
+    pl.add_argument("--tp", type=int, default=4, help="tensor-parallel degree (default 4: "
+                    "one TRN2 chip at LNC=2, as axlearn's mesh rules)")
+    sp = pl.add_mutually_exclusive_group()
+    sp.add_argument("--sequence-parallel", dest="sequence_parallel", action="store_true",
+                    default=None, help="split norms and residuals over the sequence across "
+                    "the tp group (the default when tp > 1, as axlearn's TRN2 rules do)")
+    sp.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
+    pl.add_argument("--fsdp", type=int, default=-1, help="FSDP degree; -1 fills the rest")
+    pl.add_argument("--dp", type=int, default=1)
+    pl.add_argument("--pp", type=int, default=1)
+    pl.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    pl.add_argument("--microbatches", type=int)
+    pl.add_argument("--zero1", action="store_true", help="shard optimizer state over dp")
+    pl.add_argument("--hosts", type=int, default=1, help="instances in the job")
+    pl.add_argument("--activation-dtype", default="bfloat16")
+    pl.add_argument("--param-dtype", default="float32")
+    pl.add_argument("--optimizer", default="adamw",
+                    help="adamw, sgd, or optimizer-state bytes per parameter")
+    pl.add_argument("--reserve", help="HBM held back: a fraction (0.1) or a size (2GiB)")
+    fa = pl.add_mutually_exclusive_group()
+    fa.add_argument("--flash-attention", dest="flash_attention", action="store_true",
+                    default=None)
+    fa.add_argument("--no-flash-attention", dest="flash_attention", action="store_false")
+    pl.add_argument("--tags", choices=["axlearn", "maxtext"], default="axlearn",
+                    help="tag vocabulary of the host library")
+    pl.add_argument("--candidates", help="comma-separated tags or roles to consider")
+    pl.add_argument("--plot", metavar="PNG", help="draw the per-core memory stack")
+    pl.add_argument("--json", action="store_true", help="print JSON")
+    pl.set_defaults(run=_cmd_plan)
+
+    a = sub.add_parser("audit", help="show what a policy keeps for your function")
+    a.add_argument("target", help="MODULE:FUNCTION, a zero-argument factory returning "
+                                  "(fn, args)")
+    a.add_argument("--policy", choices=list(policies.PRESETS), help="a preset")
+    a.add_argument("--save", nargs="+", metavar="PATTERN", help="save patterns")
+    a.add_argument("--offload", nargs="+", metavar="PATTERN", help="offload patterns")
+    a.add_argument("--offload-dst", default="pinned_host")
+    a.add_argument("--strict", action="store_true", help="exit 2 on dead patterns")
+    a.add_argument("--json", action="store_true", help="print JSON")
+    a.set_defaults(run=_cmd_audit)
+
+    pr = sub.add_parser("presets", help="list the named policies")
+    pr.add_argument("--json", action="store_true", help="print JSON")
+    pr.set_defaults(run=_cmd_presets)
+
+    mo = sub.add_parser("models", help="list the built-in model descriptions")
+    mo.add_argument("--json", action="store_true", help="print JSON")
+    mo.set_defaults(run=_cmd_models)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.run(args))
+    except (ValueError, TypeError, ImportError, AttributeError) as err:
+        if getattr(args, "json", False):
+            _print_json({"error": f"{type(err).__name__}: {err}"})
+        else:
+            print(f"error: {err}", file=sys.stderr)
+        return 2

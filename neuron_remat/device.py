@@ -1,0 +1,747 @@
+"""What accelerator this process trains on, and how much HBM each of its cores has.
+
+`detect()` answers from the first piece of evidence that decides, in this order:
+
+1. ``NEURON_REMAT_DEVICE``: an explicit override (``trn2.48xlarge``, ``trn2``,
+   ``trn2.48xlarge:lnc=1``, ``trn2:hbm=64MiB``, ``cpu``). This is how laptops and CI
+   plan for a TRN2 they do not have.
+2. JAX: the default backend and, on the ``neuron`` platform, ``device_kind``
+   (``NC_v3d`` = TRN2 at LNC=2, ``NC_v3`` = TRN2 at LNC=1, ``NC_v2`` = TRN1/Inf2) and the
+   local device count. A GPU or TPU backend decides at once; a CPU backend does not, since
+   a Neuron host without the Neuron PJRT plugin also reports ``cpu``.
+3. Neuron sysfs (``/sys/devices/virtual/neuron_device/neuron*/info/architecture/*``) and,
+   when ``/dev/neuron*`` exists but sysfs cannot say, ``neuron-ls -j`` under a short timeout.
+4. EC2 DMI (``/sys/devices/virtual/dmi/id/product_name`` with ``sys_vendor`` = Amazon EC2).
+
+The logical-core configuration comes from ``NEURON_LOGICAL_NC_CONFIG`` (default 2 on
+TRN2/TRN3) and the visible cores from ``NEURON_RT_VISIBLE_CORES`` or ``NEURON_RT_NUM_CORES``.
+Every step, including those that found nothing, is recorded in `DeviceSpec.evidence`.
+
+Values a person typed (the override, the ``NEURON_*`` variables, an instance name) raise
+`ValueError` naming the bad value and the valid ones. Values the machine reported (an
+unreadable sysfs file, a missing, hanging or garbled ``neuron-ls``) are logged and the next
+evidence is tried. On a machine with no accelerator `detect()` returns a ``cpu`` spec.
+
+Nothing here runs at import time: JAX is imported, and its backends started, only when
+`detect()` reaches step 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import logging
+import os
+import re
+import shutil
+import subprocess
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "CHIPS",
+    "INSTANCES",
+    "ChipFacts",
+    "DeviceSpec",
+    "Evidence",
+    "InstanceFacts",
+    "NEURON_FAMILIES",
+    "detect",
+    "from_instance_type",
+    "parse_bytes",
+    "parse_device",
+]
+
+logger = logging.getLogger(__name__)
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+NEURON_FAMILIES = ("trn1", "trn2", "trn3", "inf2")
+OTHER_FAMILIES = ("cpu", "gpu", "tpu", "unknown")
+
+OVERRIDE_ENV = "NEURON_REMAT_DEVICE"
+
+
+# --------------------------------------------------------------------------------------
+# Hardware facts: one table per kind of fact, each row with its source.
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChipFacts:
+    """Published figures for one Neuron chip generation."""
+
+    family: str
+    chip: str
+    physical_cores: int
+    hbm_bytes: int
+    lnc_options: tuple[int, ...]  # () where logical-core grouping does not exist
+    default_lnc: int | None
+    device_kinds: tuple[tuple[int | None, str], ...]  # (lnc, JAX device_kind)
+    source: str
+    verified: bool = True
+    note: str = ""
+
+    def cores_per_chip(self, lnc: int | None) -> int:
+        """Logical cores per chip at `lnc` (physical cores where LNC does not apply)."""
+        return self.physical_cores // lnc if lnc else self.physical_cores
+
+    def hbm_per_core(self, lnc: int | None) -> int:
+        return self.hbm_bytes // self.cores_per_chip(lnc)
+
+
+_SDK = "aws-neuron-sdk about-neuron/arch/neuron-hardware/"
+
+CHIPS: dict[str, ChipFacts] = {
+    "inf2": ChipFacts(
+        "inf2", "Inferentia2", 2, 32 * GiB, (), None, ((None, "NC_v2"),),
+        source=_SDK + "inferentia2.rst; NC_v2 device kind: aws-neuron-sdk issue 1340",
+        note="16 GiB per NeuronCore-v2 (driver address map: two 16 GiB HBMs per chip)",
+    ),
+    "trn1": ChipFacts(
+        "trn1", "Trainium1", 2, 32 * GiB, (), None, ((None, "NC_v2"),),
+        source=_SDK + "trainium.rst",
+        note="16 GiB per NeuronCore-v2 (driver address map: two 16 GiB HBMs per chip)",
+    ),
+    "trn2": ChipFacts(
+        "trn2", "Trainium2", 8, 96 * GiB, (1, 2), 2, ((1, "NC_v3"), (2, "NC_v3d")),
+        source=_SDK + "trainium2.rst; LNC: Neuron training best-practices page "
+        "('64 ranks per instance and approximately 24 GiB of HBM per rank')",
+        note="LNC=2: 4 logical cores x 24 GiB; LNC=1: 8 cores sharing 24 GiB banks in "
+        "pairs, about 12 GiB each (derived)",
+    ),
+    "trn3": ChipFacts(
+        "trn3", "Trainium3", 8, 144 * GiB, (1, 2), 2, (),
+        source=_SDK + "trainium3.rst",
+        verified=False,
+        note="per-core split derived, unverified (about 36 GiB per logical core at LNC=2); "
+        "JAX device_kind strings unknown; override with NEURON_REMAT_DEVICE=trn3:hbm=...",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class InstanceFacts:
+    """One EC2 instance type: which chip, how many."""
+
+    name: str
+    family: str
+    chips: int
+    source: str
+    verified: bool = True
+
+
+def _instances(*rows: InstanceFacts) -> dict[str, InstanceFacts]:
+    return {row.name: row for row in rows}
+
+
+INSTANCES: dict[str, InstanceFacts] = _instances(
+    InstanceFacts("inf2.xlarge", "inf2", 1, "aws-neuron-sdk inf2-arch.rst"),
+    InstanceFacts("inf2.8xlarge", "inf2", 1, "aws-neuron-sdk inf2-arch.rst"),
+    InstanceFacts("inf2.24xlarge", "inf2", 6, "aws-neuron-sdk inf2-arch.rst"),
+    InstanceFacts("inf2.48xlarge", "inf2", 12, "aws-neuron-sdk inf2-arch.rst"),
+    InstanceFacts("trn1.2xlarge", "trn1", 1, "aws-neuron-sdk trn1-arch.rst"),
+    InstanceFacts("trn1.32xlarge", "trn1", 16, "aws-neuron-sdk trn1-arch.rst"),
+    InstanceFacts("trn1n.32xlarge", "trn1", 16, "aws-neuron-sdk trn1-arch.rst"),
+    InstanceFacts("trn2.48xlarge", "trn2", 16, "aws-neuron-sdk trn2-arch.rst"),
+    InstanceFacts("trn2u.48xlarge", "trn2", 16, "aws-neuron-sdk trn2-arch.rst"),
+    # neuron-ls documents this name in its trn2 example header.
+    InstanceFacts("trn2n.48xlarge", "trn2", 16, "aws-neuron-sdk neuron-ls.rst example"),
+    InstanceFacts("trn2.3xlarge", "trn2", 1, "third-party listings", verified=False),
+)
+
+# JAX device_kind -> (family, lnc). NC_v2 is shared by Trn1 and Inf2; other evidence
+# (sysfs, DMI) tells them apart, and Trn1 is assumed when nothing does.
+_DEVICE_KINDS: dict[str, tuple[str, int | None]] = {
+    "NC_v2": ("trn1", None),
+    "NC_v3": ("trn2", 1),
+    "NC_v3d": ("trn2", 2),
+}
+
+# Names the sysfs architecture files, neuron-ls and people use for each family.
+_FAMILY_WORDS: dict[str, str] = {
+    "trn1": "trn1", "trainium": "trn1", "trainium1": "trn1", "trn1n": "trn1",
+    "trn2": "trn2", "trainium2": "trn2", "trn2n": "trn2", "trn2u": "trn2", "trn2p": "trn2",
+    "trn3": "trn3", "trainium3": "trn3",
+    "inf2": "inf2", "inferentia2": "inf2",
+}
+
+
+# --------------------------------------------------------------------------------------
+# The answer.
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One detection step: what it looked at and what it found."""
+
+    step: str
+    found: str
+    decided: bool = False
+
+    def __str__(self) -> str:
+        mark = "*" if self.decided else "-"
+        return f"{mark} {self.step}: {self.found}"
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """The accelerator a plan is made for.
+
+    Attributes:
+        family: ``trn1``, ``trn2``, ``trn3``, ``inf2``; or ``cpu``, ``gpu``, ``tpu``,
+            ``unknown`` for other backends.
+        instance_type: the EC2 instance type, e.g. ``trn2.48xlarge``, when known.
+        lnc: logical NeuronCore configuration (1 or 2) on TRN2/TRN3, else None.
+        cores: logical cores visible to this process.
+        cores_per_chip: logical cores per chip.
+        hbm_bytes_per_core: HBM per logical core, before the runtime takes its share.
+        source: the evidence that decided: ``override``, ``jax``, ``sysfs``,
+            ``neuron-ls``, ``dmi``, ``instance_type`` or ``default``.
+        verified: False when a figure rests on a row the sources mark unverified.
+        device_kind: JAX's ``device_kind`` when JAX reported one.
+        evidence: every step taken, in order (not part of equality).
+    """
+
+    family: str
+    instance_type: str | None
+    lnc: int | None
+    cores: int
+    cores_per_chip: int
+    hbm_bytes_per_core: int
+    source: str
+    verified: bool = True
+    device_kind: str | None = None
+    evidence: tuple[Evidence, ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def is_neuron(self) -> bool:
+        return self.family in NEURON_FAMILIES
+
+    @property
+    def physical_cores_per_core(self) -> int:
+        """Physical NeuronCores behind one logical core (the LNC), 1 elsewhere."""
+        return self.lnc or 1
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["hbm_gib_per_core"] = round(self.hbm_bytes_per_core / GiB, 3)
+        out["is_neuron"] = self.is_neuron
+        out["evidence"] = [dataclasses.asdict(e) for e in self.evidence]
+        return out
+
+    def describe(self) -> str:
+        where = self.instance_type or self.family
+        lnc = f", LNC={self.lnc}" if self.lnc else ""
+        hbm = f"{self.hbm_bytes_per_core / GiB:.4g} GiB"
+        unverified = " (unverified figures)" if not self.verified else ""
+        return (
+            f"{where}{lnc}: {self.cores} cores visible, {self.cores_per_chip} per chip, "
+            f"{hbm} HBM per core{unverified} [source: {self.source}]"
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Parsing what people type.
+# --------------------------------------------------------------------------------------
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": KiB, "kib": KiB, "kb": 10**3,
+    "m": MiB, "mib": MiB, "mb": 10**6,
+    "g": GiB, "gib": GiB, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}
+
+
+def parse_bytes(text: str | int, *, what: str = "size") -> int:
+    """``"64MiB"``, ``"1.5GiB"``, ``"24GB"`` or a plain integer -> bytes (binary units for
+    ``K``/``M``/``G``, decimal for ``KB``/``MB``/``GB``)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text <= 0:
+            raise ValueError(f"{what} must be positive, got {text}")
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise ValueError(
+            f"{what} {text!r} is not a size; write a number with an optional unit "
+            "(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. '64MiB' or '24GiB'"
+        )
+    value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"{what} must be positive, got {text!r}")
+    return value
+
+
+def _valid_names() -> str:
+    return (
+        f"families: {', '.join(NEURON_FAMILIES)}, cpu; "
+        f"instance types: {', '.join(sorted(INSTANCES))}"
+    )
+
+
+def _resolve_lnc(family: str, lnc: int | None, *, what: str) -> int | None:
+    chip = CHIPS[family]
+    if not chip.lnc_options:
+        if lnc is not None:
+            raise ValueError(
+                f"{what}: lnc={lnc} does not apply to {family} (logical NeuronCore "
+                f"configuration exists on {', '.join(f for f, c in CHIPS.items() if c.lnc_options)})"
+            )
+        return None
+    if lnc is None:
+        return chip.default_lnc
+    if lnc not in chip.lnc_options:
+        raise ValueError(
+            f"{what}: lnc={lnc} is not valid for {family}; valid: "
+            f"{', '.join(map(str, chip.lnc_options))}"
+        )
+    return lnc
+
+
+def _spec(
+    family: str,
+    *,
+    instance: InstanceFacts | None,
+    lnc: int | None,
+    source: str,
+    chips: int | None = None,
+    cores: int | None = None,
+    hbm: int | None = None,
+    device_kind: str | None = None,
+    evidence: tuple[Evidence, ...] = (),
+) -> DeviceSpec:
+    chip = CHIPS[family]
+    per_chip = chip.cores_per_chip(lnc)
+    if chips is None:
+        chips = instance.chips if instance else 1
+    verified = chip.verified and (instance.verified if instance else True)
+    if hbm is not None:
+        verified = True  # the user or the machine gave the figure
+    return DeviceSpec(
+        family=family,
+        instance_type=instance.name if instance else None,
+        lnc=lnc,
+        cores=cores if cores is not None else chips * per_chip,
+        cores_per_chip=per_chip,
+        hbm_bytes_per_core=hbm if hbm is not None else chip.hbm_per_core(lnc),
+        source=source,
+        verified=verified,
+        device_kind=device_kind,
+        evidence=evidence,
+    )
+
+
+def _cpu_spec(family: str, source: str, evidence: tuple[Evidence, ...], cores: int = 1,
+              device_kind: str | None = None) -> DeviceSpec:
+    return DeviceSpec(family=family, instance_type=None, lnc=None, cores=cores,
+                      cores_per_chip=cores, hbm_bytes_per_core=0, source=source,
+                      device_kind=device_kind, evidence=evidence)
+
+
+def from_instance_type(name: str, *, lnc: int | None = None) -> DeviceSpec:
+    """The spec of a whole instance, for planning on a machine that is not the target.
+
+    >>> from_instance_type("trn2.48xlarge").cores
+    64
+    """
+    key = name.strip().lower()
+    if key not in INSTANCES:
+        raise ValueError(
+            f"unknown instance type {name!r}; known: {', '.join(sorted(INSTANCES))}"
+        )
+    inst = INSTANCES[key]
+    lnc = _resolve_lnc(inst.family, lnc, what=f"instance {name!r}")
+    return _spec(inst.family, instance=inst, lnc=lnc, source="instance_type",
+                 evidence=(Evidence("instance_type", f"{key}, LNC={lnc}", True),))
+
+
+def parse_device(text: str, *, source: str = "override",
+                 environ: Mapping[str, str] | None = None) -> DeviceSpec:
+    """Parse the override syntax: ``BASE[:lnc=N][:hbm=SIZE][:cores=N]``.
+
+    ``BASE`` is an instance type (``trn2.48xlarge``), a Neuron family (``trn2``: one chip)
+    or ``cpu``. ``hbm`` is HBM per core, for scaled-down simulations on small machines.
+    When ``lnc`` is not given, ``NEURON_LOGICAL_NC_CONFIG`` from `environ` applies.
+    """
+    what = f"{OVERRIDE_ENV}={text!r}" if source == "override" else f"device {text!r}"
+    parts = [p.strip() for p in text.strip().split(":")]
+    base = parts[0].lower()
+    opts: dict[str, str] = {}
+    for part in parts[1:]:
+        key, sep, value = part.partition("=")
+        key = key.strip().lower()
+        if not sep or key not in ("lnc", "hbm", "cores") or not value.strip():
+            raise ValueError(
+                f"{what}: option {part!r} is not one of lnc=1|2, hbm=SIZE (per core, "
+                "e.g. 64MiB), cores=N"
+            )
+        if key in opts:
+            raise ValueError(f"{what}: option {key!r} given twice")
+        opts[key] = value.strip()
+    if base == "cpu":
+        if opts:
+            raise ValueError(f"{what}: options {sorted(opts)} do not apply to cpu")
+        return _cpu_spec("cpu", source, (Evidence(source, "cpu", True),))
+    if base in INSTANCES:
+        instance: InstanceFacts | None = INSTANCES[base]
+        family = instance.family
+    elif base in NEURON_FAMILIES:
+        instance, family = None, base
+    else:
+        raise ValueError(f"{what}: unknown device {parts[0]!r}; valid {_valid_names()}")
+    lnc: int | None = None
+    if "lnc" in opts:
+        if opts["lnc"] not in ("1", "2"):
+            raise ValueError(f"{what}: lnc={opts['lnc']!r} is not valid; valid: 1, 2")
+        lnc = int(opts["lnc"])
+    else:
+        lnc = _lnc_from_env(environ if environ is not None else os.environ, family)
+    lnc = _resolve_lnc(family, lnc, what=what)
+    hbm = parse_bytes(opts["hbm"], what=f"{what}: hbm") if "hbm" in opts else None
+    cores = None
+    if "cores" in opts:
+        if not opts["cores"].isdigit() or int(opts["cores"]) < 1:
+            raise ValueError(f"{what}: cores={opts['cores']!r} is not a positive integer")
+        cores = int(opts["cores"])
+    found = f"{base}, LNC={lnc}" + (f", hbm={hbm} B/core" if hbm else "")
+    return _spec(family, instance=instance, lnc=lnc, source=source, cores=cores, hbm=hbm,
+                 evidence=(Evidence(source, found, True),))
+
+
+# --------------------------------------------------------------------------------------
+# Environment variables the Neuron runtime reads.
+# --------------------------------------------------------------------------------------
+
+
+def _lnc_from_env(environ: Mapping[str, str], family: str) -> int | None:
+    raw = environ.get("NEURON_LOGICAL_NC_CONFIG")
+    if raw is None or raw.strip() == "":
+        return None
+    if raw.strip() not in ("1", "2"):
+        raise ValueError(
+            f"NEURON_LOGICAL_NC_CONFIG={raw!r} is not valid; valid values: 1, 2"
+        )
+    if not CHIPS[family].lnc_options:
+        return None  # the runtime ignores it on trn1/inf2, and so do we
+    return int(raw)
+
+
+def _parse_core_list(raw: str) -> list[int]:
+    cores: list[int] = []
+    for piece in raw.split(","):
+        piece = piece.strip()
+        m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", piece)
+        if not m:
+            raise ValueError(
+                f"NEURON_RT_VISIBLE_CORES={raw!r} is not a core index or inclusive range; "
+                "valid forms: '3', '0-3', '0,2,4-7'"
+            )
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi < lo:
+            raise ValueError(
+                f"NEURON_RT_VISIBLE_CORES={raw!r}: range {piece!r} runs backwards; "
+                f"write '{hi}-{lo}'"
+            )
+        cores.extend(range(lo, hi + 1))
+    if len(set(cores)) != len(cores):
+        raise ValueError(f"NEURON_RT_VISIBLE_CORES={raw!r} names a core twice")
+    return cores
+
+
+def _visible_cores(environ: Mapping[str, str], total: int | None) -> tuple[int | None, str]:
+    """Cores this process may use per the runtime's variables, or None when unset."""
+    raw = environ.get("NEURON_RT_VISIBLE_CORES", "").strip()
+    if raw:
+        cores = _parse_core_list(raw)
+        if total is not None and max(cores) >= total:
+            raise ValueError(
+                f"NEURON_RT_VISIBLE_CORES={raw!r} names core {max(cores)} but this "
+                f"machine has {total} logical cores (valid indices 0-{total - 1})"
+            )
+        return len(cores), f"NEURON_RT_VISIBLE_CORES={raw} -> {len(cores)} cores"
+    raw = environ.get("NEURON_RT_NUM_CORES", "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"NEURON_RT_NUM_CORES={raw!r} is not a positive integer")
+        n = int(raw)
+        if total is not None and n > total:
+            raise ValueError(
+                f"NEURON_RT_NUM_CORES={n} exceeds the {total} logical cores of this "
+                f"machine (valid: 1-{total})"
+            )
+        return n, f"NEURON_RT_NUM_CORES={n}"
+    return None, ""
+
+
+# --------------------------------------------------------------------------------------
+# Evidence from the machine. Each probe returns a partial answer or None, and never
+# raises for what the machine reported.
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Probe:
+    family: str | None = None
+    instance: InstanceFacts | None = None
+    chips: int | None = None
+    cores: int | None = None  # logical cores as the probe counted them
+    lnc: int | None = None
+    hbm: int | None = None
+    device_kind: str | None = None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read().strip()
+    except FileNotFoundError:
+        return None
+    except OSError as err:  # PermissionError for root-only (0400) files, EIO, ...
+        logger.info("neuron_remat: cannot read %s (%s); ignoring it", path, err)
+        return None
+
+
+def _family_word(text: str | None) -> str | None:
+    if not text:
+        return None
+    word = text.strip().lower()
+    if word in INSTANCES:
+        return INSTANCES[word].family
+    return _FAMILY_WORDS.get(word) or _FAMILY_WORDS.get(word.split(".")[0])
+
+
+def _probe_jax(notes: list[Evidence]) -> tuple[_Probe | None, str | None, int]:
+    """(neuron probe, other family, local device count) from JAX; (None, None, 0) when
+    JAX cannot say."""
+    try:
+        import jax  # noqa: PLC0415  (imported on first detection, never at import time)
+
+        backend = jax.default_backend()
+        devices = jax.local_devices()
+    except Exception as err:  # noqa: BLE001  a broken plugin must not break detection
+        notes.append(Evidence("jax", f"unavailable ({type(err).__name__}: {err})"))
+        return None, None, 0
+    kind = getattr(devices[0], "device_kind", None) if devices else None
+    if backend == "neuron":
+        family, lnc = _DEVICE_KINDS.get(kind or "", (None, None))
+        desc = f"backend neuron, device_kind {kind!r}, {len(devices)} local devices"
+        if family is None:
+            desc += " (device_kind not recognised: family taken from later evidence)"
+        notes.append(Evidence("jax", desc))
+        probe = _Probe(family=family, cores=len(devices), lnc=lnc, device_kind=kind)
+        return probe, None, len(devices)
+    other = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(
+        backend, "unknown")
+    notes.append(Evidence("jax", f"backend {backend!r} ({len(devices)} local devices, "
+                                 f"device_kind {kind!r})"))
+    return None, other, len(devices)
+
+
+def _probe_sysfs(root: str, notes: list[Evidence]) -> _Probe | None:
+    base = os.path.join(root, "sys/devices/virtual/neuron_device")
+    devs = sorted(glob.glob(os.path.join(base, "neuron[0-9]*")))
+    if not devs:
+        notes.append(Evidence("sysfs", f"no Neuron devices under {base}"))
+        return None
+    arch = os.path.join(devs[0], "info", "architecture")
+    words = {n: _read(os.path.join(arch, n)) for n in ("arch_type", "device_name", "instance_type")}
+    family = None
+    for name in ("arch_type", "device_name", "instance_type"):
+        family = family or _family_word(words[name])
+    inst_text = (words["instance_type"] or "").lower()
+    instance = INSTANCES.get(inst_text)
+    physical = _read(os.path.join(devs[0], "core_count"))
+    shown = ", ".join(f"{k}={v!r}" for k, v in words.items() if v is not None) or "unreadable"
+    notes.append(Evidence(
+        "sysfs", f"{len(devs)} devices; {shown}"
+        + (f"; core_count={physical}" if physical and physical.isdigit() else "")
+        + ("" if family else "; family not recognised")))
+    return _Probe(family=family, instance=instance, chips=len(devs))
+
+
+def _find_neuron_ls(root: str, environ: Mapping[str, str]) -> str | None:
+    path = environ.get("PATH", os.defpath)
+    extra = os.path.join(root, "opt/aws/neuron/bin")
+    return shutil.which("neuron-ls", path=os.pathsep.join([path, extra]))
+
+
+def _probe_neuron_ls(root: str, environ: Mapping[str, str], timeout: float,
+                     notes: list[Evidence]) -> _Probe | None:
+    if not glob.glob(os.path.join(root, "dev/neuron[0-9]*")):
+        notes.append(Evidence("neuron-ls", "not run: no /dev/neuron* device nodes"))
+        return None
+    exe = _find_neuron_ls(root, environ)
+    if exe is None:
+        notes.append(Evidence("neuron-ls", "not found on PATH or in /opt/aws/neuron/bin"))
+        logger.info("neuron_remat: /dev/neuron* exists but neuron-ls is not installed")
+        return None
+    try:
+        run = subprocess.run([exe, "-j"], capture_output=True, text=True, timeout=timeout,
+                             env=dict(environ), check=False)
+    except subprocess.TimeoutExpired:
+        notes.append(Evidence("neuron-ls", f"timed out after {timeout:g} s"))
+        logger.warning("neuron_remat: %s -j hung for %.3g s; ignoring it", exe, timeout)
+        return None
+    except OSError as err:
+        notes.append(Evidence("neuron-ls", f"could not run ({err})"))
+        return None
+    try:
+        chips = json.loads(run.stdout)
+        if not isinstance(chips, list) or not chips or not all(isinstance(c, dict) for c in chips):
+            raise ValueError("expected a non-empty JSON list of device objects")
+        nc = [int(c["nc_count"]) for c in chips]
+        mem = int(chips[0]["memory_size"])
+        lnc_raw = chips[0].get("logical_neuroncore_config")
+        lnc = int(lnc_raw) if lnc_raw is not None else None
+    except (ValueError, KeyError, TypeError) as err:
+        snippet = (run.stdout or run.stderr or "").strip()[:80]
+        notes.append(Evidence("neuron-ls", f"unusable output ({err}): {snippet!r}"))
+        logger.warning("neuron_remat: neuron-ls -j printed unusable output (%s)", err)
+        return None
+    family = {96 * GiB: "trn2", 144 * GiB: "trn3", 32 * GiB: "trn1"}.get(mem)
+    notes.append(Evidence(
+        "neuron-ls", f"{len(chips)} devices, nc_count {nc[0]}, memory_size {mem}, LNC {lnc}"))
+    return _Probe(family=family, chips=len(chips), cores=sum(nc), lnc=lnc,
+                  hbm=mem // nc[0] if nc[0] else None)
+
+
+def _probe_dmi(root: str, notes: list[Evidence]) -> _Probe | None:
+    dmi = os.path.join(root, "sys/devices/virtual/dmi/id")
+    vendor = _read(os.path.join(dmi, "sys_vendor"))
+    product = _read(os.path.join(dmi, "product_name"))
+    if product is None:
+        notes.append(Evidence("dmi", "no product_name"))
+        return None
+    name = product.strip().lower()
+    if name in INSTANCES:
+        notes.append(Evidence("dmi", f"product_name {product!r}, sys_vendor {vendor!r}"))
+        return _Probe(family=INSTANCES[name].family, instance=INSTANCES[name])
+    notes.append(Evidence("dmi", f"product_name {product!r} is not a Neuron instance"))
+    return None
+
+
+# --------------------------------------------------------------------------------------
+# detect()
+# --------------------------------------------------------------------------------------
+
+_CACHE: dict[tuple[Any, ...], DeviceSpec] = {}
+_LOCK = threading.Lock()
+_ENV_KEYS = (OVERRIDE_ENV, "NEURON_LOGICAL_NC_CONFIG", "NEURON_RT_VISIBLE_CORES",
+             "NEURON_RT_NUM_CORES")
+
+
+def detect(
+    *,
+    refresh: bool = False,
+    root: str = "/",
+    environ: Mapping[str, str] | None = None,
+    use_jax: bool = True,
+    neuron_ls_timeout: float = 5.0,
+) -> DeviceSpec:
+    """Detect the device this process trains on (see the module docstring for the order).
+
+    The answer is cached per process, per `root` and per value of the ``NEURON_*``
+    variables that matter; ``refresh=True`` looks again. Thread-safe.
+
+    Args:
+        refresh: ignore the cache and look again.
+        root: filesystem root for sysfs, DMI and ``/dev`` (tests lay out fake trees).
+        environ: environment to read (default ``os.environ``).
+        use_jax: ask JAX (step 2). Off, detection never starts a JAX backend.
+        neuron_ls_timeout: seconds ``neuron-ls -j`` may take.
+    """
+    env = os.environ if environ is None else environ
+    key = (os.path.abspath(root), use_jax, neuron_ls_timeout, env.get("PATH"),
+           tuple(env.get(k) for k in _ENV_KEYS))
+    with _LOCK:
+        if not refresh and key in _CACHE:
+            return _CACHE[key]
+        spec = _detect(root, env, use_jax, neuron_ls_timeout)
+        _CACHE[key] = spec
+    logger.info("neuron_remat: detected %s", spec.describe())
+    return spec
+
+
+def _detect(root: str, env: Mapping[str, str], use_jax: bool, timeout: float) -> DeviceSpec:
+    override = env.get(OVERRIDE_ENV, "").strip()
+    if override:
+        return parse_device(override, source="override", environ=env)
+    notes: list[Evidence] = [Evidence("override", f"{OVERRIDE_ENV} not set")]
+
+    jax_probe, other, n_local = None, None, 0
+    if use_jax:
+        jax_probe, other, n_local = _probe_jax(notes)
+    else:
+        notes.append(Evidence("jax", "skipped (use_jax=False)"))
+    if other in ("gpu", "tpu", "unknown"):
+        return _cpu_spec(other, "jax", _mark_decided(notes, "jax"), cores=max(n_local, 1))
+
+    probes: list[tuple[str, _Probe]] = []
+    if jax_probe is not None:
+        probes.append(("jax", jax_probe))
+    sysfs = _probe_sysfs(root, notes)
+    if sysfs is not None:
+        probes.append(("sysfs", sysfs))
+    if sysfs is None or sysfs.family is None:
+        ls = _probe_neuron_ls(root, env, timeout, notes)
+        if ls is not None:
+            probes.append(("neuron-ls", ls))
+    else:
+        notes.append(Evidence("neuron-ls", "not needed: sysfs answered"))
+    dmi = _probe_dmi(root, notes)
+    if dmi is not None:
+        probes.append(("dmi", dmi))
+
+    decided = next(((name, p) for name, p in probes if p.family), None)
+    if decided is None:
+        if jax_probe is not None:  # neuron backend with an unknown device kind
+            notes.append(Evidence("default", "Neuron backend of unknown generation"))
+            return _cpu_spec("unknown", "jax", _mark_decided(notes, "jax"),
+                             cores=jax_probe.cores or 1, device_kind=jax_probe.device_kind)
+        source = "jax" if other == "cpu" else "default"
+        notes.append(Evidence("default", "no Neuron hardware found: cpu"))
+        return _cpu_spec("cpu", source, _mark_decided(notes, source))
+
+    source, first = decided
+    family = first.family
+    assert family is not None
+    # Later evidence fills what earlier evidence left open; it never overrides a family.
+    instance = next((p.instance for _, p in probes if p.instance and p.instance.family == family), None)
+    lnc = next((p.lnc for _, p in probes if p.lnc is not None), None)
+    env_lnc = _lnc_from_env(env, family)
+    if lnc is None:
+        lnc = env_lnc
+    elif env_lnc is not None and env_lnc != lnc:
+        notes.append(Evidence("env", f"NEURON_LOGICAL_NC_CONFIG={env_lnc} disagrees with the "
+                                     f"hardware's LNC={lnc}; using the hardware's"))
+    lnc = _resolve_lnc(family, lnc, what="detected device")
+    chips = next((p.chips for _, p in probes if p.chips), None)
+    per_chip = CHIPS[family].cores_per_chip(lnc)
+    total = chips * per_chip if chips else (instance.chips * per_chip if instance else None)
+    hbm = next((p.hbm for _, p in probes if p.hbm), None)
+    kind = jax_probe.device_kind if jax_probe else None
+    if jax_probe is not None and jax_probe.cores:
+        cores = jax_probe.cores  # the runtime has already applied the visible-core variables
+    else:
+        n, visible_note = _visible_cores(env, total)
+        cores = n if n is not None else (total or per_chip)
+        if visible_note:
+            notes.append(Evidence("env", visible_note))
+    return _spec(family, instance=instance, lnc=lnc, source=source, chips=chips, cores=cores,
+                 hbm=hbm, device_kind=kind, evidence=_mark_decided(notes, source))
+
+
+def _mark_decided(notes: list[Evidence], step: str) -> tuple[Evidence, ...]:
+    """Flag the first note of the deciding step."""
+    out, done = [], False
+    for note in notes:
+        if not done and note.step == step:
+            note, done = dataclasses.replace(note, decided=True), True
+        out.append(note)
+    return tuple(out)

@@ -1,0 +1,983 @@
+"""Bytes kept and FLOPs recomputed per checkpoint tag, for one transformer layer on one core.
+
+The analytic model is a small dataflow graph of one pre-norm decoder layer (attention with
+grouped KV heads, then a gated or plain feed-forward block), built for the per-core shapes
+that tensor, sequence, fully-sharded and pipeline parallelism leave. For any choice of
+saved tags it answers, exactly for that graph, what JAX's ``jax.checkpoint`` does:
+
+* the backward needs some values: each matmul reads both operands, a norm or softmax reads
+  its own intermediate values, an add reads nothing;
+* a needed value that is the layer input, or a tag the policy saves, is kept;
+* any other needed value is recomputed from its inputs, which become needed in turn.
+
+So saving a tag only helps when the backward reads it, or reads something computed from it:
+``linear2`` (the feed-forward output, only added to the residual stream) is never kept
+even when saved, and saving it recomputes nothing less. The norms, softmax and activation
+functions have no tag: under any names policy they are recomputed, never kept.
+
+`layer_footprint` reports, per tag, the bytes kept if saved and the FLOPs saved by keeping
+it; `model_state_bytes` the parameters, gradients and optimizer state per core; `budget`
+what is left per layer. `traced_footprint` measures the same per-tag figures from a real
+function with JAX's own saved-residuals analysis, so a layer this model does not describe
+can still be planned from the truth.
+
+Known differences from Korthikanti et al. 2022 (``sbh(34 + 5as/h)`` bytes per layer, 16-bit,
+no recompute), which `korthikanti_terms` itemises:
+
+* no dropout: their attention-probability mask (``as^2b``), dropout output (``2as^2b``) and
+  the two ``sbh`` masks after attention and MLP are not kept;
+* float32 norm statistics (one float32 per token per norm) that they leave out;
+* without remat, JAX also keeps unfused elementwise intermediates (softmax ``exp``,
+  activation pieces, float32 norm copies). `LayerGraph.no_remat_bytes` counts those for this
+  package's reference implementation; under any ``jax.checkpoint`` policy they are
+  recomputed, so plans do not depend on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .device import GiB, DeviceSpec
+
+__all__ = [
+    "AXLEARN_TAGS",
+    "MAXTEXT_TAGS",
+    "MODELS",
+    "ROLES",
+    "Budget",
+    "Footprint",
+    "LayerGraph",
+    "ModelState",
+    "Parallelism",
+    "StepShape",
+    "TagCost",
+    "TagNames",
+    "TransformerConfig",
+    "budget",
+    "dtype_bytes",
+    "from_hf_config",
+    "get_model",
+    "korthikanti_terms",
+    "layer_footprint",
+    "layer_graph",
+    "model_state_bytes",
+    "traced_footprint",
+]
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {
+    "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "bool": 1,
+}
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a dtype named like numpy/JAX (``"bfloat16"``, ``"float32"``)."""
+    key = str(name).lower()
+    if key not in _DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {name!r}; valid: {', '.join(_DTYPE_BYTES)}")
+    return _DTYPE_BYTES[key]
+
+
+# --------------------------------------------------------------------------------------
+# Tag vocabularies.
+# --------------------------------------------------------------------------------------
+
+ROLES = ("input", "q_proj", "k_proj", "v_proj", "context", "o_proj",
+         "linear1_0", "linear1_1", "linear2")
+
+
+@dataclass(frozen=True)
+class TagNames:
+    """What a host library calls each checkpointed value of a layer.
+
+    `prefixed` says the host adds a class prefix (axlearn tags ``MultiheadAttention.q_proj``),
+    so patterns match the name after any ``Class.`` prefix. A role set to None is not
+    emitted by the host.
+    """
+
+    vocabulary: str = "axlearn"
+    input: str | None = "input"
+    q_proj: str | None = "q_proj"
+    k_proj: str | None = "k_proj"
+    v_proj: str | None = "v_proj"
+    context: str | None = "context"
+    o_proj: str | None = "o_proj"
+    linear1_0: str | None = "linear1_0"
+    linear1_1: str | None = "linear1_1"
+    linear1_ungated: str | None = "linear1_0"
+    linear2: str | None = "linear2"
+    flash_context: str | None = "flash_residuals"
+    prefixed: bool = True
+
+    def name(self, role: str, *, gated: bool = True, flash: bool = False) -> str | None:
+        if role not in ROLES:
+            raise ValueError(f"unknown tag role {role!r}; valid: {', '.join(ROLES)}")
+        if role == "linear1_0" and not gated:
+            return self.linear1_ungated
+        if role == "context" and flash:
+            return self.flash_context
+        return getattr(self, role)
+
+    def pattern(self, role: str, *, gated: bool = True, flash: bool = False) -> str | None:
+        """The regex that matches this role's tag (after any prefix, as axlearn's
+        ``.*q_proj`` does)."""
+        name = self.name(role, gated=gated, flash=flash)
+        if name is None:
+            return None
+        return (".*" if self.prefixed else "") + re.escape(name)
+
+
+AXLEARN_TAGS = TagNames()
+"""axlearn's names (``BaseLayer._remat_name``: ``f"{type(self).__name__}.{name}"``); its
+flash-attention kernels tag their residuals ``flash_residuals``."""
+
+MAXTEXT_TAGS = TagNames(
+    vocabulary="maxtext", input="decoder_layer_input", q_proj="query_proj",
+    k_proj="key_proj", v_proj="value_proj", context="attention_out", o_proj="out_proj",
+    linear1_0="mlpwi_0", linear1_1="mlpwi_1", linear1_ungated="mlpwi", linear2="mlpwo",
+    flash_context="context", prefixed=False,
+)
+"""MaxText's names (``layers/attentions.py``, ``layers/linears.py``, ``decoders.py``): the
+attention output before the output projection is ``attention_out``; ``context`` is the
+flash kernels' output and log-sum-exp (cuDNN and TPU splash paths only)."""
+
+
+# --------------------------------------------------------------------------------------
+# Model, step and parallelism descriptions.
+# --------------------------------------------------------------------------------------
+
+
+def _positive(owner: str, **values: Any) -> None:
+    for key, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{owner}: {key} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """A decoder-only transformer, as far as activation memory is concerned.
+
+    `kv_heads` defaults to `heads` (multi-head attention) and `head_dim` to
+    ``hidden // heads``. `flash_attention` means the attention kernel keeps no
+    ``seq x seq`` probabilities: its backward recomputes them from q, k, v, its output and
+    the float32 log-sum-exp.
+    """
+
+    hidden: int
+    heads: int
+    ffn: int
+    layers: int
+    vocab: int
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    gated_ffn: bool = True
+    flash_attention: bool = False
+    norm: Literal["rms", "layer"] = "rms"
+    activation: Literal["silu", "gelu"] = "silu"
+    causal: bool = True
+    tie_embeddings: bool = False
+    tags: TagNames = AXLEARN_TAGS
+    name: str = "custom"
+    source: str = ""
+    default_seq_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        if self.head_dim is None:
+            if self.hidden % self.heads:
+                raise ValueError(
+                    f"{self.name}: hidden={self.hidden} is not divisible by heads="
+                    f"{self.heads}; give head_dim explicitly")
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        _positive(f"model {self.name!r}", hidden=self.hidden, heads=self.heads,
+                  kv_heads=self.kv_heads, head_dim=self.head_dim, ffn=self.ffn,
+                  layers=self.layers, vocab=self.vocab)
+        assert self.kv_heads is not None
+        if self.heads % self.kv_heads:
+            raise ValueError(
+                f"model {self.name!r}: heads={self.heads} is not a multiple of kv_heads="
+                f"{self.kv_heads}; valid kv_heads divide {self.heads}")
+        if self.norm not in ("rms", "layer"):
+            raise ValueError(f"model {self.name!r}: norm={self.norm!r}; valid: 'rms', 'layer'")
+        if self.activation not in ("silu", "gelu"):
+            raise ValueError(
+                f"model {self.name!r}: activation={self.activation!r}; valid: 'silu', 'gelu'")
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """Tag roles this layer emits."""
+        return tuple(r for r in ROLES if (self.gated_ffn or r != "linear1_1")
+                     and self.tag(r) is not None)
+
+    def tag(self, role: str) -> str | None:
+        """The name the host emits for `role` in this layer (None: not emitted)."""
+        return self.tags.name(role, gated=self.gated_ffn, flash=self.flash_attention)
+
+    def pattern(self, role: str) -> str | None:
+        return self.tags.pattern(role, gated=self.gated_ffn, flash=self.flash_attention)
+
+    def params_per_layer(self) -> int:
+        assert self.kv_heads is not None and self.head_dim is not None
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        ffn = (3 if self.gated_ffn else 2) * self.hidden * self.ffn
+        norms = self.hidden * (2 if self.norm == "rms" else 4)
+        return attn + ffn + norms
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tie_embeddings else 2) + self.hidden
+
+    def param_count(self) -> int:
+        return self.layers * self.params_per_layer() + self.embedding_params()
+
+
+_OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One training step as one data-parallel replica sees it.
+
+    `optimizer` is ``"adamw"`` (two float32 moments, plus a float32 master copy when
+    parameters are not float32), ``"sgd"`` (no state) or a number: optimizer-state bytes
+    per parameter.
+    """
+
+    seq_len: int
+    micro_batch: int = 1
+    activation_dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    optimizer: str | float = "adamw"
+
+    def __post_init__(self) -> None:
+        _positive("step shape", seq_len=self.seq_len, micro_batch=self.micro_batch)
+        dtype_bytes(self.activation_dtype)
+        dtype_bytes(self.param_dtype)
+        if isinstance(self.optimizer, str):
+            if self.optimizer not in _OPTIMIZERS:
+                raise ValueError(
+                    f"optimizer={self.optimizer!r} is not known; valid: "
+                    f"{', '.join(_OPTIMIZERS)}, or optimizer-state bytes per parameter")
+        elif not isinstance(self.optimizer, (int, float)) or self.optimizer < 0:
+            raise ValueError(
+                f"optimizer={self.optimizer!r}: give 'adamw', 'sgd' or bytes per parameter >= 0")
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.micro_batch
+
+    def optimizer_bytes_per_param(self) -> float:
+        if self.optimizer == "adamw":
+            master = 0 if dtype_bytes(self.param_dtype) == 4 else 4
+            return 8.0 + master
+        if self.optimizer == "sgd":
+            return 0.0
+        return float(self.optimizer)
+
+
+_SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How the job is split over cores.
+
+    Attributes:
+        tp: tensor (model) parallel degree: heads and the feed-forward width are split.
+        sequence_parallel: the layer input, norms and residual adds are split over the
+            sequence across the `tp` group (Megatron-style); without it they are replicated.
+        fsdp: fully-sharded data parallel degree (parameters, gradients and optimizer state
+            sharded; the batch split); ``-1`` takes every core the other degrees leave.
+        dp: plain data-parallel degree (replicated state).
+        pp: pipeline stages; each core holds ``layers / pp`` layers.
+        schedule: ``"1f1b"`` (a stage holds up to `pp` micro-batches in flight) or
+            ``"gpipe"`` (all `microbatches` in flight).
+        microbatches: micro-batches per step, for ``gpipe``.
+        zero1: shard the optimizer state over `dp` as well.
+        hosts: instances in the job, to resolve ``fsdp=-1`` and check the core count.
+    """
+
+    tp: int = 1
+    sequence_parallel: bool = False
+    fsdp: int = 1
+    dp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    microbatches: int | None = None
+    zero1: bool = False
+    hosts: int = 1
+
+    def __post_init__(self) -> None:
+        _positive("parallelism", tp=self.tp, dp=self.dp, pp=self.pp, hosts=self.hosts)
+        if self.fsdp != -1:
+            _positive("parallelism", fsdp=self.fsdp)
+        if self.schedule not in _SCHEDULES:
+            raise ValueError(
+                f"pipeline schedule {self.schedule!r} is not known; valid: {', '.join(_SCHEDULES)}")
+        if self.microbatches is not None:
+            _positive("parallelism", microbatches=self.microbatches)
+        if self.schedule == "gpipe" and self.pp > 1 and self.microbatches is None:
+            raise ValueError("schedule='gpipe' needs microbatches (how many are in flight)")
+
+    @property
+    def degree(self) -> int:
+        if self.fsdp == -1:
+            raise ValueError("fsdp=-1 is not resolved yet; call resolve(device)")
+        return self.tp * self.fsdp * self.dp * self.pp
+
+    @property
+    def inflight(self) -> int:
+        """Micro-batches whose activations one stage holds at once (1 without pipelining)."""
+        if self.pp == 1:
+            return 1
+        if self.schedule == "gpipe":
+            assert self.microbatches is not None
+            return self.microbatches
+        return min(self.pp, self.microbatches or self.pp)
+
+    def resolve(self, device: DeviceSpec | None) -> Parallelism:
+        """Fill ``fsdp=-1`` and check the degrees cover ``device.cores x hosts`` exactly."""
+        total = device.cores * self.hosts if device is not None and device.cores else None
+        par = self
+        if self.fsdp == -1:
+            if total is None:
+                raise ValueError("fsdp=-1 needs a device to know how many cores there are")
+            rest = self.tp * self.dp * self.pp
+            if total % rest:
+                raise ValueError(
+                    f"fsdp=-1: tp*dp*pp={rest} does not divide the {total} cores "
+                    f"({device.cores} x {self.hosts} hosts)")  # type: ignore[union-attr]
+            par = dataclasses.replace(self, fsdp=total // rest)
+        if total is not None and par.degree != total:
+            raise ValueError(
+                f"parallel degrees tp={par.tp} x fsdp={par.fsdp} x dp={par.dp} x pp={par.pp} "
+                f"= {par.degree}, but the job has {total} cores ({device.cores} per host x "  # type: ignore[union-attr]
+                f"{self.hosts} hosts); make them multiply to {total} (fsdp=-1 fills the rest)")
+        return par
+
+    def check(self, config: TransformerConfig, shape: StepShape) -> None:
+        """Raise ValueError when `config` cannot be split this way."""
+        assert config.kv_heads is not None
+        if config.heads % self.tp:
+            raise ValueError(
+                f"tp={self.tp} does not divide heads={config.heads}; valid tp: "
+                f"{_divisors(config.heads)}")
+        if config.kv_heads % self.tp and self.tp % config.kv_heads:
+            raise ValueError(
+                f"tp={self.tp} and kv_heads={config.kv_heads}: one must divide the other "
+                "(kv heads are split, or replicated one per core)")
+        if config.ffn % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide ffn={config.ffn}")
+        if self.sequence_parallel and shape.seq_len % self.tp:
+            raise ValueError(
+                f"sequence_parallel needs seq_len={shape.seq_len} divisible by tp={self.tp}")
+        if config.layers % self.pp:
+            raise ValueError(
+                f"pp={self.pp} does not divide layers={config.layers}; valid pp: "
+                f"{_divisors(config.layers)}")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and d <= 128)
+
+
+# --------------------------------------------------------------------------------------
+# Built-in models.
+# --------------------------------------------------------------------------------------
+
+_AXLEARN_FUJI = ("apple/axlearn axlearn/experiments/text/gpt/fuji.py (num_layers, "
+                 "hidden_dim=128*heads, scaled_hidden_dim 8/3 or 3.5 rounded to 256, "
+                 "VOCAB_SIZE, MAX_SEQUENCE_LENGTH)")
+_HF_LLAMA3 = "Hugging Face meta-llama/Meta-Llama-3-{} config.json"
+
+
+def _model(name: str, **kw: Any) -> TransformerConfig:
+    # Long-sequence training uses a flash-attention kernel; the paper's GPT-3 layer does not.
+    kw.setdefault("flash_attention", True)
+    return TransformerConfig(name=name, **kw)
+
+
+MODELS: dict[str, TransformerConfig] = {m.name: m for m in (
+    _model("fuji-7b-v1", hidden=4096, heads=32, ffn=11008, layers=32, vocab=32768,
+           tie_embeddings=True, default_seq_len=2048, source=_AXLEARN_FUJI),
+    _model("fuji-7b-v2", hidden=4096, heads=32, ffn=11008, layers=32, vocab=32768,
+           tie_embeddings=True, default_seq_len=4096, source=_AXLEARN_FUJI),
+    _model("fuji-7b-v3", hidden=4096, heads=32, kv_heads=8, ffn=11008, layers=32,
+           vocab=131072, tie_embeddings=True, default_seq_len=8192, source=_AXLEARN_FUJI),
+    _model("fuji-70b-v1", hidden=8192, heads=64, ffn=28672, layers=80, vocab=32768,
+           default_seq_len=2048, source=_AXLEARN_FUJI),
+    _model("fuji-70b-v2", hidden=8192, heads=64, kv_heads=8, ffn=28672, layers=80,
+           vocab=32768, default_seq_len=4096, source=_AXLEARN_FUJI),
+    _model("fuji-70b-v3", hidden=8192, heads=64, kv_heads=8, ffn=28672, layers=80,
+           vocab=131072, default_seq_len=8192, source=_AXLEARN_FUJI),
+    _model("llama3-8b", hidden=4096, heads=32, kv_heads=8, ffn=14336, layers=32,
+           vocab=128256, default_seq_len=8192, source=_HF_LLAMA3.format("8B")),
+    _model("llama3-70b", hidden=8192, heads=64, kv_heads=8, ffn=28672, layers=80,
+           vocab=128256, default_seq_len=8192, source=_HF_LLAMA3.format("70B")),
+    _model("gpt3-175b", hidden=12288, heads=96, ffn=4 * 12288, layers=96, vocab=51200,
+           gated_ffn=False, norm="layer", activation="gelu", default_seq_len=2048,
+           flash_attention=False,
+           tie_embeddings=True,
+           source="Brown et al. 2020; as configured in Korthikanti et al. 2022, Table 3"),
+)}
+_ALIASES = {"fuji-7b": "fuji-7b-v3", "fuji-70b": "fuji-70b-v3"}
+
+
+def get_model(name: str) -> TransformerConfig:
+    """A built-in model by name (``fuji-70b`` is ``fuji-70b-v3``)."""
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key not in MODELS:
+        raise ValueError(
+            f"unknown model {name!r}; built in: {', '.join([*MODELS, *_ALIASES])}; or load a "
+            "Hugging Face config.json with from_hf_config")
+    return MODELS[key]
+
+
+def from_hf_config(cfg: Mapping[str, Any], *, name: str | None = None,
+                   **overrides: Any) -> TransformerConfig:
+    """A `TransformerConfig` from a Hugging Face style ``config.json`` dict (Llama-like:
+    gated SiLU feed-forward, RMS norm)."""
+    required = ("hidden_size", "num_attention_heads", "intermediate_size",
+                "num_hidden_layers", "vocab_size")
+    missing = [k for k in required if k not in cfg]
+    if missing:
+        raise ValueError(f"config.json lacks {', '.join(missing)} (needs {', '.join(required)})")
+    act = str(cfg.get("hidden_act", "silu")).lower()
+    kw: dict[str, Any] = dict(
+        hidden=cfg["hidden_size"], heads=cfg["num_attention_heads"],
+        kv_heads=cfg.get("num_key_value_heads"), head_dim=cfg.get("head_dim"),
+        ffn=cfg["intermediate_size"], layers=cfg["num_hidden_layers"],
+        vocab=cfg["vocab_size"], tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        activation="gelu" if act.startswith("gelu") else "silu",
+        default_seq_len=cfg.get("max_position_embeddings"),
+        name=name or str(cfg.get("_name_or_path") or cfg.get("model_type") or "hf-model"),
+        source="config.json",
+    )
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+# --------------------------------------------------------------------------------------
+# The layer graph.
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Value:
+    """One tensor of the layer, per core."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    role: str | None = None  # the tag role, when the host tags it
+    dot: bool = False  # produced by a dot_general (what dots_saveable keeps)
+    batch_dot: bool = False  # ... with batch dimensions (dots_with_no_batch_dims skips it)
+    extra_bytes: int = 0  # stored with it under the same tag (flash attention's lse)
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.shape) * dtype_bytes(self.dtype) + self.extra_bytes
+
+
+@dataclass(frozen=True)
+class Op:
+    """One step of the layer's forward.
+
+    `needs` are the values its backward reads. `internal` are unnamed intermediate values
+    its backward also reads: they are never tagged, so whenever the op is differentiated
+    under ``jax.checkpoint`` it is recomputed; without remat they are kept.
+    """
+
+    name: str
+    inputs: tuple[str, ...]
+    output: str
+    flops: int
+    needs: tuple[str, ...] = ()
+    internal: tuple[tuple[str, int], ...] = ()  # (what, bytes) kept without remat
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What one policy keeps and recomputes for one layer on one core."""
+
+    kept_bytes: int
+    recompute_flops: int
+    kept: tuple[str, ...]
+    recomputed: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LayerGraph:
+    """The analytic dataflow graph of one layer on one core (see the module docstring)."""
+
+    values: Mapping[str, Value]
+    ops: tuple[Op, ...]
+    inputs: tuple[str, ...] = ("x",)
+
+    def producer(self, value: str) -> Op:
+        return self._producers[value]
+
+    @property
+    def _producers(self) -> dict[str, Op]:
+        cache = self.__dict__.get("_producer_cache")
+        if cache is None:
+            cache = {op.output: op for op in self.ops}
+            object.__setattr__(self, "_producer_cache", cache)
+        return cache
+
+    @property
+    def _by_name(self) -> dict[str, Op]:
+        cache = self.__dict__.get("_op_cache")
+        if cache is None:
+            cache = {op.name: op for op in self.ops}
+            object.__setattr__(self, "_op_cache", cache)
+        return cache
+
+    def evaluate(self, saved: Callable[[Value], bool]) -> Evaluation:
+        """Kept bytes and recompute FLOPs when `saved(value)` says which values are saveable."""
+        producers = self._producers
+        kept: dict[str, None] = {}
+        recomputed: dict[str, None] = {}
+        stack = [op.name for op in self.ops if op.internal]
+        for op in self.ops:
+            stack.extend(f"value:{v}" for v in op.needs)
+        seen: set[str] = set()
+        while stack:
+            item = stack.pop()
+            if item in seen:
+                continue
+            seen.add(item)
+            if item.startswith("value:"):
+                name = item[6:]
+                value = self.values[name]
+                if name in self.inputs or saved(value):
+                    kept[name] = None
+                else:
+                    stack.append(producers[name].name)
+                continue
+            recomputed[item] = None
+            op = self._by_name[item]
+            stack.extend(f"value:{v}" for v in op.inputs)
+        kept_bytes = sum(self.values[v].bytes for v in kept)
+        flops = sum(o.flops for o in self.ops if o.name in recomputed)
+        order = [o.name for o in self.ops]
+        return Evaluation(kept_bytes, flops, tuple(v for v in self.values if v in kept),
+                          tuple(n for n in order if n in recomputed))
+
+    def evaluate_roles(self, roles: Iterable[str]) -> Evaluation:
+        chosen = frozenset(roles)
+        return self.evaluate(lambda v: v.role is not None and v.role in chosen)
+
+    def forward_flops(self) -> int:
+        return sum(op.flops for op in self.ops)
+
+    def no_remat_bytes(self) -> int:
+        """Bytes one layer keeps with no ``jax.checkpoint``: every value and internal
+        intermediate its backward reads (the reference implementation's, under JAX 0.10)."""
+        needed = {v for op in self.ops for v in op.needs} | set(self.inputs)
+        return (sum(self.values[v].bytes for v in needed)
+                + sum(b for op in self.ops for _, b in op.internal))
+
+    def role_values(self) -> dict[str, Value]:
+        return {v.role: v for v in self.values.values() if v.role is not None}
+
+
+def layer_graph(config: TransformerConfig, shape: StepShape,
+                parallelism: Parallelism | None = None) -> LayerGraph:
+    """Build the per-core graph of one layer of `config`."""
+    par = parallelism or Parallelism()
+    par.check(config, shape)
+    assert config.kv_heads is not None and config.head_dim is not None
+    act = shape.activation_dtype
+    f32 = act == "float32"
+    cvt = 0 if f32 else 1  # a dtype conversion costs one op per element where it happens
+    b, s, h = shape.micro_batch, shape.seq_len, config.hidden
+    tp = par.tp
+    sp = tp if par.sequence_parallel else 1
+    t_full, t_rep = b * s, b * s // sp  # tokens per core inside / outside the tp regions
+    heads = config.heads // tp
+    kv = config.kv_heads // tp if config.kv_heads % tp == 0 else 1
+    d, f = config.head_dim, config.ffn // tp
+    tags = {r: r for r in config.roles}
+    ebytes = dtype_bytes(act)
+
+    values: dict[str, Value] = {}
+    ops: list[Op] = []
+
+    def val(name: str, shp: tuple[int, ...], role: str | None = None, dtype: str = act,
+            **kw: Any) -> str:
+        values[name] = Value(name, shp, dtype, tags.get(role) if role else None, **kw)
+        return name
+
+    def norm(name: str, src: str) -> str:
+        n = t_rep * h
+        per_elem = (4 if config.norm == "rms" else 7) + 2 * cvt
+        stats = t_rep * 4 * (1 if config.norm == "rms" else 2)
+        # Without remat, JAX keeps the float32 normalised copy and the statistics, plus a
+        # float32 copy of the input when activations are narrower.
+        internal = (("float32 normalised values", n * 4), ("float32 statistics", 2 * stats),
+                    ("broadcast scale", h * 4))
+        if not f32:
+            internal += (("float32 input copy", n * 4),)
+        out = val(f"{name}_out", (t_rep, h))
+        ops.append(Op(name, (src,), out, per_elem * n + t_rep, needs=(src,),
+                      internal=internal))
+        return out
+
+    def matmul(name: str, src: str, out_shape: tuple[int, ...], contract: int,
+               role: str | None, batch: bool = False, reads: tuple[str, ...] | None = None,
+               inputs: tuple[str, ...] | None = None) -> str:
+        out = val(name, out_shape, role, dot=True, batch_dot=batch)
+        ops.append(Op(f"{name}_matmul", inputs or (src,), out,
+                      2 * math.prod(out_shape) * contract, needs=reads or (src,)))
+        return out
+
+    x = val("x", (t_rep, h), "input")
+    n1 = norm("norm1", x)
+    q = matmul("q", n1, (t_full, heads, d), h, "q_proj")
+    k = matmul("k", n1, (t_full, kv, d), h, "k_proj")
+    v = matmul("v", n1, (t_full, kv, d), h, "v_proj")
+    if config.flash_attention:
+        lse = b * heads * s * 4
+        ctx = val("context", (t_full, heads, d), "context", extra_bytes=lse)
+        causal = 0.5 if config.causal else 1.0  # kernels skip fully masked blocks
+        attn = int(causal * (4 * b * heads * s * s * d + 5 * b * heads * s * s))
+        ops.append(Op("flash_attention", (q, k, v), ctx, attn, needs=(q, k, v, ctx)))
+    else:
+        scores = matmul("scores", q, (b, heads, s, s), d, None, batch=True, reads=(q, k),
+                        inputs=(q, k))
+        elems = b * heads * s * s
+        # scale, causal select, softmax (max, subtract, sum, divide), conversions
+        sm_flops = elems * (5 + (1 if config.causal else 0) + 2 * cvt)
+        probs = val("probs", (b, heads, s, s))
+        small = b * heads * s * 4
+        internal = (("softmax exp (float32)", elems * 4), ("masked scores (float32)", elems * 4),
+                    ("softmax row sums (float32)", 2 * small))
+        if config.causal:
+            internal += (("causal mask (bool)", elems),)
+        if not f32:
+            internal += (("softmax output (float32)", elems * 4),)
+        ops.append(Op("softmax", (scores,), probs, sm_flops, internal=internal))
+        ctx = matmul("context", probs, (t_full, heads, d), s, "context", batch=True,
+                     reads=(probs, v), inputs=(probs, v))
+    # Output projections run over all t_full tokens per core, then reduce-scatter to t_rep.
+    o = matmul("o", ctx, (t_rep, h), heads * d * sp, "o_proj")
+    x1 = val("x1", (t_rep, h))
+    ops.append(Op("residual1", (x, o), x1, t_rep * h))
+    n2 = norm("norm2", x1)
+    a = matmul("linear1_0", n2, (t_full, f), h, "linear1_0")
+    n_ff = t_full * f
+    if config.gated_ffn:
+        g_in = matmul("linear1_1", n2, (t_full, f), h, "linear1_1")
+        act_flops = (4 if config.activation == "silu" else 8) + 1
+        internal = (("activation pieces", 3 * n_ff * ebytes),)
+        gate = val("gated", (t_full, f))
+        ops.append(Op("activation", (a, g_in), gate, act_flops * n_ff,
+                      needs=(a, g_in), internal=internal))
+    else:
+        act_flops = 4 if config.activation == "silu" else 8
+        internal = (("activation pieces", 2 * n_ff * ebytes),)
+        gate = val("gated", (t_full, f))
+        ops.append(Op("activation", (a,), gate, act_flops * n_ff, needs=(a,),
+                      internal=internal))
+    y = matmul("linear2", gate, (t_rep, h), f * sp, "linear2")
+    out = val("out", (t_rep, h))
+    ops.append(Op("residual2", (x1, y), out, t_rep * h))
+    return LayerGraph(values=values, ops=tuple(ops))
+
+
+# --------------------------------------------------------------------------------------
+# Per-tag figures.
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TagCost:
+    """What one tag costs to keep, and what keeping it saves, per layer per core.
+
+    Attributes:
+        bytes: bytes kept when the policy saves this tag (0 when the backward never reads
+            it, so JAX keeps nothing even if asked).
+        recompute_flops: FLOPs the backward does not redo when this tag alone is saved,
+            compared with full remat (its producing matmul, and whatever only it needed).
+        always_kept: kept whatever the policy says (the layer input / scan carry).
+        size_bytes: the tensor's size, kept or not.
+        shape, dtype: per core.
+        note: why it is cheap, free, or always kept.
+    """
+
+    bytes: int
+    recompute_flops: float
+    always_kept: bool = False
+    size_bytes: int = 0
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+    note: str = ""
+
+    @property
+    def flops_per_byte(self) -> float:
+        return self.recompute_flops / self.bytes if self.bytes else 0.0
+
+
+class Footprint(dict):  # dict[str, TagCost]
+    """Per-tag costs of one layer (a ``dict`` of tag -> `TagCost`) plus what the layer
+    keeps whatever the policy says.
+
+    Built by `layer_footprint` (analytic: exact joint evaluation through the layer graph)
+    or `traced_footprint` (measured: costs add up per tag).
+    """
+
+    def __init__(self, tags: Mapping[str, TagCost], *, always_kept_bytes: int,
+                 patterns: Mapping[str, str] | None = None,
+                 graph: LayerGraph | None = None, roles: Mapping[str, str] | None = None,
+                 forward_flops: float = 0.0, no_remat_bytes: int = 0,
+                 workspace_bytes: int = 0) -> None:
+        super().__init__(tags)
+        self.always_kept_bytes = always_kept_bytes
+        self.patterns = dict(patterns or {t: re.escape(t) for t in tags})
+        self.graph = graph
+        self.roles = dict(roles or {})
+        self.forward_flops = forward_flops
+        self.no_remat_bytes = no_remat_bytes
+        self.workspace_bytes = workspace_bytes
+
+    def evaluate(self, saved: Iterable[str]) -> tuple[int, float]:
+        """(bytes kept per layer, recompute FLOPs per layer) when `saved` tags are saved."""
+        chosen = frozenset(saved)
+        unknown = chosen - set(self)
+        if unknown:
+            raise ValueError(f"tags {sorted(unknown)} are not in this footprint ({sorted(self)})")
+        if self.graph is not None:
+            ev = self.graph.evaluate_roles(self.roles[t] for t in chosen)
+            return ev.kept_bytes, float(ev.recompute_flops)
+        full = sum(c.recompute_flops for c in self.values() if not c.always_kept)
+        kept = self.always_kept_bytes + sum(
+            self[t].bytes for t in chosen if not self[t].always_kept)
+        return kept, full - sum(self[t].recompute_flops for t in chosen
+                                if not self[t].always_kept)
+
+    def __repr__(self) -> str:
+        return f"Footprint({dict(self)!r}, always_kept_bytes={self.always_kept_bytes})"
+
+
+def layer_footprint(config: TransformerConfig, shape: StepShape,
+                    parallelism: Parallelism | None = None) -> Footprint:
+    """Per-tag bytes and recompute FLOPs for one layer on one core (analytic).
+
+    Keys are the tag names the host emits (``q_proj``, ... in `config.tags`)."""
+    graph = layer_graph(config, shape, parallelism)
+    full = graph.evaluate_roles(())
+    by_role = graph.role_values()
+    tags: dict[str, TagCost] = {}
+    roles: dict[str, str] = {}
+    patterns: dict[str, str] = {}
+    for role in config.roles:
+        value = by_role[role]
+        name = config.tag(role)
+        assert name is not None
+        alone = graph.evaluate_roles((role,))
+        kept = alone.kept_bytes - full.kept_bytes
+        saved_flops = full.recompute_flops - alone.recompute_flops
+        if role == "input":
+            note = "the layer input (scan carry): kept whatever the policy says"
+        elif kept == 0:
+            note = "the backward never reads it: saving it keeps nothing and saves nothing"
+        else:
+            note = ""
+        tags[name] = TagCost(bytes=value.bytes if role == "input" else kept,
+                             recompute_flops=float(saved_flops), always_kept=role == "input",
+                             size_bytes=value.bytes, shape=value.shape, dtype=value.dtype,
+                             note=note)
+        roles[name] = role
+        pat = config.pattern(role)
+        assert pat is not None
+        patterns[name] = pat
+    workspace = graph.no_remat_bytes()
+    return Footprint(tags, always_kept_bytes=full.kept_bytes, patterns=patterns, graph=graph,
+                     roles=roles, forward_flops=float(graph.forward_flops()),
+                     no_remat_bytes=graph.no_remat_bytes(), workspace_bytes=workspace)
+
+
+# --------------------------------------------------------------------------------------
+# Model state and budget.
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """Parameters, gradients and optimizer state held by one core."""
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    params_per_core: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+def model_state_bytes(config: TransformerConfig, shape: StepShape,
+                      parallelism: Parallelism | None = None) -> ModelState:
+    """State per core: layer weights split over ``tp x fsdp`` and the stages, embeddings
+    split over ``tp x fsdp`` (vocabulary-parallel); the stage holding them is assumed worst."""
+    par = parallelism or Parallelism()
+    if par.fsdp == -1:
+        raise ValueError("resolve fsdp=-1 first (Parallelism.resolve(device))")
+    par.check(config, shape)
+    assert config.kv_heads is not None and config.head_dim is not None
+    tp, fsdp = par.tp, par.fsdp
+    kv_per_core = config.kv_heads // tp if config.kv_heads % tp == 0 else 1
+    h, d = config.hidden, config.head_dim
+    per_layer = (
+        h * d * 2 * (config.heads // tp)  # q and o projections
+        + h * d * 2 * kv_per_core  # k and v projections (replicated when tp > kv_heads)
+        + (3 if config.gated_ffn else 2) * h * (config.ffn // tp)
+        + h * (2 if config.norm == "rms" else 4)  # norms are replicated over tp
+    ) / fsdp
+    layers = config.layers // par.pp
+    emb = config.vocab * h / (tp * fsdp)
+    embeddings = emb * (1 if config.tie_embeddings or par.pp > 1 else 2) + h
+    params = int(math.ceil(layers * per_layer + embeddings))
+    pbytes = dtype_bytes(shape.param_dtype)
+    opt = shape.optimizer_bytes_per_param() / (par.dp if par.zero1 else 1)
+    return ModelState(params_bytes=params * pbytes, grads_bytes=params * pbytes,
+                      optimizer_bytes=int(params * opt), params_per_core=params)
+
+
+DEFAULT_RESERVE_FRACTION = 0.10
+"""Share of HBM held back for temporaries, collectives' buffers and fragmentation."""
+RUNTIME_BYTES_PER_PHYSICAL_CORE = 96 * 10**6
+"""Neuron runtime microcode per physical core (neuron-runtime device-memory doc)."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """HBM per core, and what is left for each layer's kept activations.
+
+    ``per_layer_bytes = (hbm - state - reserve - workspace) / (layers_per_core x inflight)``
+    where `workspace` is what is live only once: one layer's backward working set (its
+    recomputed activations, ``seq x seq`` probabilities without flash attention) or the
+    float32 logits and their gradient, whichever is larger.
+    """
+
+    hbm_bytes: int
+    state: ModelState
+    reserve_bytes: int
+    workspace_bytes: int
+    layers_per_core: int
+    inflight: int
+
+    @property
+    def available_bytes(self) -> int:
+        return self.hbm_bytes - self.state.total_bytes - self.reserve_bytes - self.workspace_bytes
+
+    @property
+    def per_layer_bytes(self) -> int:
+        return self.available_bytes // (self.layers_per_core * self.inflight)
+
+
+def reserve_bytes(device: DeviceSpec, reserve: float | int | None = None) -> int:
+    """The reserve: a fraction of HBM (``0 <= reserve < 1``), bytes (``reserve >= 1``), or
+    by default 10% plus the Neuron runtime's 96 MB per physical core."""
+    hbm = device.hbm_bytes_per_core
+    if reserve is None:
+        runtime = RUNTIME_BYTES_PER_PHYSICAL_CORE * device.physical_cores_per_core \
+            if device.is_neuron and hbm > 4 * GiB else 0  # scaled-down simulations skip it
+        return int(DEFAULT_RESERVE_FRACTION * hbm) + runtime
+    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or reserve < 0:
+        raise ValueError(f"reserve={reserve!r}: give a fraction in [0, 1) or bytes >= 1")
+    return int(reserve * hbm) if reserve < 1 else int(reserve)
+
+
+def head_bytes(config: TransformerConfig, shape: StepShape, parallelism: Parallelism) -> int:
+    """Float32 logits and their gradient for one micro-batch (vocabulary split over tp)."""
+    return 2 * shape.tokens * math.ceil(config.vocab / parallelism.tp) * 4
+
+
+def budget(device: DeviceSpec, config: TransformerConfig, shape: StepShape,
+           parallelism: Parallelism | None = None,
+           reserve: float | int | None = None) -> Budget:
+    """What each layer may keep on one core of `device` (see `Budget`)."""
+    if not device.hbm_bytes_per_core:
+        raise ValueError(
+            f"device {device.family!r} has no HBM figure; plan for a Neuron device "
+            "(device=from_instance_type('trn2.48xlarge'), NEURON_REMAT_DEVICE=...) or pass "
+            "budget_bytes= with a footprint")
+    par = (parallelism or Parallelism()).resolve(device)
+    par.check(config, shape)
+    state = model_state_bytes(config, shape, par)
+    graph = layer_graph(config, shape, par)
+    workspace = max(graph.no_remat_bytes(), head_bytes(config, shape, par))
+    return Budget(hbm_bytes=device.hbm_bytes_per_core, state=state,
+                  reserve_bytes=reserve_bytes(device, reserve), workspace_bytes=workspace,
+                  layers_per_core=config.layers // par.pp, inflight=par.inflight)
+
+
+# --------------------------------------------------------------------------------------
+# Korthikanti et al. accounting.
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Term:
+    what: str
+    bytes: int
+
+
+def korthikanti_terms(config: TransformerConfig, shape: StepShape) -> dict[str, Any]:
+    """The paper's per-layer no-recompute total ``sbh(34 + 5as/h)`` (16-bit, no parallelism)
+    beside this model's figure for the same layer, with every difference named.
+
+    This model's figure is the values the backward reads (`LayerGraph` needs) with no
+    internal intermediates: what a fused implementation keeps, as the paper counts."""
+    if shape.activation_dtype not in ("bfloat16", "float16"):
+        raise ValueError("the paper counts 16-bit activations; use activation_dtype='bfloat16'")
+    s, b, h, a = shape.seq_len, shape.micro_batch, config.hidden, config.heads
+    sbh, as2b = s * b * h, a * s * s * b
+    paper = sbh * 34 + 5 * as2b
+    graph = layer_graph(config, shape)
+    needed = {v for op in graph.ops for v in op.needs} | set(graph.inputs)
+    model = sum(graph.values[v].bytes for v in needed)
+    differences = [
+        Term("attention-probability dropout mask (1 byte each)", -as2b),
+        Term("attention-probability dropout output", -2 * as2b),
+        Term("dropout mask after the attention block", -sbh),
+        Term("dropout mask after the MLP block", -sbh),
+    ]
+    if config.kv_heads != config.heads or config.gated_ffn:
+        raise ValueError("the paper's layer has multi-head attention and a plain 4h MLP")
+    return {"paper_bytes": paper, "model_bytes": model,
+            "differences": differences,
+            "unexplained_bytes": model - paper - sum(t.bytes for t in differences)}
+
+
+# --------------------------------------------------------------------------------------
+# Measured footprint.
+# --------------------------------------------------------------------------------------
+
+
+def traced_footprint(fn: Callable[..., Any], *args: Any,
+                     activation_argnums: Sequence[int] = (0,),
+                     tags: Sequence[str] | None = None, **kwargs: Any) -> Footprint:
+    """Per-tag bytes and recompute FLOPs measured from `fn` itself.
+
+    For each tag `fn` emits: the bytes JAX keeps when only that tag is saved, beyond what
+    full remat keeps (from ``jax._src.ad_checkpoint.saved_residuals``), and the FLOPs of
+    the recomputation it avoids (from the linearized program). Arguments in
+    `activation_argnums` count as the layer's always-kept input; the others are parameters
+    (model state, not activations).
+    """
+    from . import _trace  # noqa: PLC0415  (JAX is imported only when measuring)
+
+    return _trace.traced_footprint(fn, args, kwargs, activation_argnums=activation_argnums,
+                                   only=tags)
+

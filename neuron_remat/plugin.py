@@ -1,0 +1,350 @@
+"""The ``jax_remat_policy`` entry-point protocol, neuron_remat's provider for it, and the
+plain-JAX adapter.
+
+The protocol, for host libraries (no import of neuron_remat needed)::
+
+    from importlib.metadata import entry_points
+
+    def remat_policy(default, **context):
+        for ep in sorted(entry_points(group="jax_remat_policy"), key=lambda e: e.name):
+            answer = ep.load()(default=default, **context)
+            if answer is not None:
+                return answer      # a policy, or an object with .policy and .prevent_cse
+        return default
+
+A provider is any callable taking keyword context and returning None ("no opinion") or an
+answer. The keys a host may pass: ``layer`` (its path or name), ``stack`` (``stacked``:
+unrolled layers, ``repeated``: layers inside ``lax.scan``, ``pipelined``), ``default`` (its
+own policy), and what it knows of the model: ``model`` (a `TransformerConfig`, a built-in
+name or a Hugging Face ``config.json`` dict), ``tags`` (the names it emits), ``shape``
+(`StepShape` or a dict of its fields), ``parallelism`` (`Parallelism` or a dict). Providers
+ignore keys they do not know. Sorting by name keeps every process of a multi-host job on
+the same answer.
+
+neuron_remat's provider (`provide`) answers only on a Neuron device (detected, or set by
+``NEURON_REMAT_DEVICE``) and never for pipelined stacks; ``NEURON_REMAT_DISABLE=1`` turns
+it off. Inside it, a failure logs one warning and returns None, so the host's default
+stands, unless ``NEURON_REMAT_STRICT=1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import memory_model as mm
+from . import policies
+from .device import DeviceSpec, detect
+
+__all__ = [
+    "GROUP",
+    "STACK_KINDS",
+    "DeferredPolicy",
+    "RematChoice",
+    "checkpoint",
+    "clear_cache",
+    "provide",
+    "resolve_policy",
+]
+
+logger = logging.getLogger(__name__)
+
+GROUP = "jax_remat_policy"
+STACK_KINDS = ("stacked", "repeated", "pipelined")
+DISABLE_ENV = "NEURON_REMAT_DISABLE"
+STRICT_ENV = "NEURON_REMAT_STRICT"
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class RematChoice:
+    """A resolved policy and the ``prevent_cse`` to use with it; unpacks as
+    ``policy, prevent_cse = choice``."""
+
+    policy: Callable[..., Any] | None
+    prevent_cse: bool
+    provider: str | None = None  # None: nobody answered, the host's default stands
+    reason: str = ""
+    plan: policies.Plan | None = field(default=None, compare=False, repr=False)
+
+    def __iter__(self) -> Any:
+        return iter((self.policy, self.prevent_cse))
+
+
+def default_prevent_cse(stack: str) -> bool:
+    """True for unrolled (stacked) layers, False inside ``lax.scan`` (repeated, pipelined),
+    where CSE cannot merge the recomputation into the forward anyway."""
+    return stack == "stacked"
+
+
+def _check_stack(stack: str) -> None:
+    if stack not in STACK_KINDS:
+        raise ValueError(f"stack={stack!r} is not a stack kind; valid: {', '.join(STACK_KINDS)}")
+
+
+# --------------------------------------------------------------------------------------
+# Host side.
+# --------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _providers(group: str) -> tuple[tuple[str, Callable[..., Any]], ...]:
+    from importlib.metadata import entry_points  # noqa: PLC0415
+
+    found = []
+    for ep in sorted(entry_points(group=group), key=lambda e: (e.name, e.value)):
+        try:
+            found.append((ep.name, ep.load()))
+        except Exception as err:  # noqa: BLE001  a broken provider must not break the host
+            if _flag(STRICT_ENV):
+                raise
+            logger.warning("remat policy provider %r (%s) failed to load: %s", ep.name,
+                           ep.value, err)
+    return tuple(found)
+
+
+def resolve_policy(*, default: Callable[..., Any] | None = None, layer: str | None = None,
+                   stack: str = "stacked", prevent_cse: bool | None = None,
+                   group: str = GROUP, **context: Any) -> RematChoice:
+    """The host side of the protocol: ask every provider in `group`, sorted by name, and
+    take the first answer; with none, the host's `default` (and `prevent_cse`, or the
+    stack's usual value) stands."""
+    _check_stack(stack)
+    cse = default_prevent_cse(stack) if prevent_cse is None else prevent_cse
+    for name, provider in _providers(group):
+        try:
+            answer = provider(default=default, layer=layer, stack=stack, **context)
+        except Exception as err:  # noqa: BLE001
+            if _flag(STRICT_ENV):
+                raise
+            logger.warning("remat policy provider %r raised %s: %s; ignoring it", name,
+                           type(err).__name__, err)
+            continue
+        if answer is None:
+            continue
+        if isinstance(answer, RematChoice):
+            return dataclasses.replace(answer, provider=answer.provider or name)
+        if hasattr(answer, "policy"):
+            return RematChoice(answer.policy, bool(getattr(answer, "prevent_cse", cse)), name)
+        return RematChoice(answer, cse, name)
+    return RematChoice(default, cse, None, "no provider answered: the host's default")
+
+
+# --------------------------------------------------------------------------------------
+# neuron_remat's provider.
+# --------------------------------------------------------------------------------------
+
+
+def _freeze(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return tuple(sorted((str(k), _freeze(v)) for k, v in obj.items()))
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        items = [_freeze(v) for v in obj]
+        return tuple(sorted(items, key=repr) if isinstance(obj, (set, frozenset)) else items)
+    try:
+        hash(obj)
+    except TypeError:
+        return repr(obj)
+    return obj
+
+
+_LOCK = threading.Lock()
+_RESULTS: dict[Any, RematChoice | None] = {}
+
+
+def clear_cache() -> None:
+    """Forget resolved answers (after changing the environment in a running process)."""
+    with _LOCK:
+        _RESULTS.clear()
+    _providers.cache_clear()
+
+
+def provide(*, default: Any = None, layer: str | None = None, stack: str = "stacked",
+            model: Any = None, tags: Any = None, shape: Any = None, parallelism: Any = None,
+            device: DeviceSpec | None = None, **unknown: Any) -> RematChoice | None:
+    """neuron_remat's ``jax_remat_policy`` provider (registered in setup.cfg).
+
+    Returns None off Neuron, for pipelined stacks, when disabled, or when it cannot
+    decide (after one warning); else the planned `RegexPolicy` for the model described,
+    or the ``trn2-fuji-70b`` preset when told nothing. Answers are cached per context.
+    """
+    if _flag(DISABLE_ENV):
+        return None
+    env = tuple(os.environ.get(k) for k in (
+        "NEURON_REMAT_DEVICE", "NEURON_LOGICAL_NC_CONFIG", "NEURON_RT_VISIBLE_CORES",
+        "NEURON_RT_NUM_CORES", STRICT_ENV))
+    key = (layer, stack, _freeze(model), _freeze(tags), _freeze(shape),
+           _freeze(parallelism), device, env)
+    with _LOCK:
+        if key in _RESULTS:
+            return _RESULTS[key]
+    try:
+        answer = _provide(layer, stack, model, tags, shape, parallelism, device)
+    except Exception as err:  # noqa: BLE001
+        if _flag(STRICT_ENV):
+            raise
+        logger.warning("neuron_remat could not choose a remat policy for %s (%s: %s); "
+                       "the host's default policy stands", layer or "this layer",
+                       type(err).__name__, err)
+        answer = None
+    with _LOCK:
+        _RESULTS[key] = answer
+    return answer
+
+
+def _provide(layer: str | None, stack: str, model: Any, tags: Any, shape: Any,
+             parallelism: Any, device: DeviceSpec | None) -> RematChoice | None:
+    _check_stack(stack)
+    device = device or detect()
+    if not device.is_neuron:
+        logger.debug("neuron_remat: %s is not a Neuron device; no opinion", device.family)
+        return None
+    if stack == "pipelined":
+        logger.info("neuron_remat: %s is a pipelined stack with its own checkpointing; "
+                    "leaving it alone", layer or "layer")
+        return None
+    cse = default_prevent_cse(stack)
+    if model is None:
+        policy = policies.preset("trn2-fuji-70b")
+        if tags is not None:
+            names = [tags] if isinstance(tags, str) else list(tags)
+            if not any(policy.action(t) == "save" for t in names):
+                raise ValueError(f"the trn2-fuji-70b preset matches none of the tags {names}; "
+                                 "describe the model (model=...) so a policy can be planned")
+        return RematChoice(policy, cse, reason="no model described: axlearn's TRN2 preset")
+    config = _as_config(model, tags)
+    step = _as_shape(shape, config)
+    par = _as_parallelism(parallelism, device)
+    chosen = policies.plan(device, config, step, par)
+    logger.info("neuron_remat: %s on %s saves %s (%.2f%% recompute)", layer or config.name,
+                device.describe(), list(chosen.saved_tags) or "nothing", 100 * chosen.overhead)
+    return RematChoice(chosen.policy, cse, reason=f"planned for {config.name}", plan=chosen)
+
+
+def _as_config(model: Any, tags: Any) -> mm.TransformerConfig:
+    if isinstance(model, mm.TransformerConfig):
+        config = model
+    elif isinstance(model, str):
+        config = mm.get_model(model)
+    elif isinstance(model, Mapping):
+        config = mm.from_hf_config(model)
+    else:
+        raise TypeError(f"model={model!r}: give a TransformerConfig, a built-in model name "
+                        f"({', '.join(mm.MODELS)}) or a config.json dict")
+    if isinstance(tags, mm.TagNames):
+        config = dataclasses.replace(config, tags=tags)
+    elif tags == "maxtext":
+        config = dataclasses.replace(config, tags=mm.MAXTEXT_TAGS)
+    return config
+
+
+def _as_shape(shape: Any, config: mm.TransformerConfig) -> mm.StepShape:
+    if isinstance(shape, mm.StepShape):
+        return shape
+    if shape is None:
+        if config.default_seq_len is None:
+            raise ValueError(f"shape= not given and {config.name} has no default sequence "
+                             "length; pass shape=StepShape(seq_len=..., micro_batch=...)")
+        return mm.StepShape(seq_len=config.default_seq_len)
+    if isinstance(shape, Mapping):
+        return mm.StepShape(**shape)
+    raise TypeError(f"shape={shape!r}: give a StepShape or a dict of its fields")
+
+
+def _as_parallelism(par: Any, device: DeviceSpec) -> mm.Parallelism:
+    if isinstance(par, mm.Parallelism):
+        return par
+    if par is None:
+        hosts = 1
+        if device.source == "jax":
+            import jax  # noqa: PLC0415
+
+            hosts = jax.process_count()
+        return mm.Parallelism(fsdp=-1, hosts=hosts)
+    if isinstance(par, Mapping):
+        return mm.Parallelism(**par)
+    raise TypeError(f"parallelism={par!r}: give a Parallelism or a dict of its fields")
+
+
+# --------------------------------------------------------------------------------------
+# Deferred resolution and the plain-JAX adapter.
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeferredPolicy:
+    """A remat policy that resolves itself the first time JAX asks it about a primitive.
+
+    Adapters hand this to ``jax.checkpoint`` so that wrapping a layer at import time does
+    not detect the device (and start JAX's backends) before the program has set itself up,
+    e.g. before ``jax.distributed.initialize()``.
+    """
+
+    context: tuple[tuple[str, Any], ...]
+    default: Any = None
+
+    def resolve(self) -> RematChoice:
+        choice = self.__dict__.get("_choice")
+        if choice is None:
+            kwargs = {k: _thaw(v) for k, v in self.context}
+            choice = resolve_policy(default=self.default, **kwargs)
+            object.__setattr__(self, "_choice", choice)
+        return choice
+
+    def __call__(self, prim: Any, *args: Any, **params: Any) -> Any:
+        policy = self.resolve().policy
+        if policy is None:
+            return False  # jax.checkpoint's own default: save nothing
+        return policy(prim, *args, **params)
+
+
+class _Held:
+    """Carries an unhashable context value through a frozen DeferredPolicy."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Held) and _freeze(self.value) == _freeze(other.value)
+
+    def __hash__(self) -> int:
+        return hash(_freeze(self.value))
+
+
+def _thaw(v: Any) -> Any:
+    return v.value if isinstance(v, _Held) else v
+
+
+def deferred(default: Any = None, **context: Any) -> DeferredPolicy:
+    items = []
+    for k, v in sorted(context.items()):
+        try:
+            hash(v)
+        except TypeError:
+            v = _Held(v)
+        items.append((k, v))
+    return DeferredPolicy(tuple(items), default)
+
+
+def checkpoint(fn: Callable[..., Any], *, default: Any = None, stack: str = "stacked",
+               prevent_cse: bool | None = None, static_argnums: int | tuple[int, ...] = (),
+               **context: Any) -> Callable[..., Any]:
+    """``jax.checkpoint(fn)`` with the policy the providers choose for `context` (resolved
+    when first traced), or `default` when none answers."""
+    import jax  # noqa: PLC0415
+
+    _check_stack(stack)
+    cse = default_prevent_cse(stack) if prevent_cse is None else prevent_cse
+    policy = deferred(default, stack=stack, **context)
+    return jax.checkpoint(fn, policy=policy, prevent_cse=cse, static_argnums=static_argnums)
