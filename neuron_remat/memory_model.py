@@ -582,7 +582,7 @@ class LayerGraph:
     def no_remat_bytes(self) -> int:
         """Bytes one layer keeps with no ``jax.checkpoint``: every value and internal
         intermediate its backward reads (the reference implementation's, under JAX 0.10)."""
-        needed = {v for op in self.ops for v in op.needs} | set(self.inputs)
+        needed = {v for op in self.ops for v in op.needs}
         return (sum(self.values[v].bytes for v in needed)
                 + sum(b for op in self.ops for _, b in op.internal))
 
@@ -620,16 +620,20 @@ def layer_graph(config: TransformerConfig, shape: StepShape,
     def norm(name: str, src: str) -> str:
         n = t_rep * h
         per_elem = (4 if config.norm == "rms" else 7) + 2 * cvt
-        stats = t_rep * 4 * (1 if config.norm == "rms" else 2)
-        # Without remat, JAX keeps the float32 normalised copy and the statistics, plus a
-        # float32 copy of the input when activations are narrower.
-        internal = (("float32 normalised values", n * 4), ("float32 statistics", 2 * stats),
-                    ("broadcast scale", h * 4))
-        if not f32:
-            internal += (("float32 input copy", n * 4),)
+        stats = t_rep * 4
+        # Without remat, JAX keeps the float32 normalised values and statistics (and the
+        # centred values for LayerNorm, which then never reads its input); with narrower
+        # activations it reads a float32 copy of the input rather than the input itself.
+        internal = (("float32 normalised values", n * 4), ("float32 norm statistics", 2 * stats),
+                    ("broadcast norm scale", h * 4))
+        if config.norm == "layer":
+            internal += (("float32 centred values", n * 4),)
+        elif not f32:
+            internal += (("float32 copy of the norm input", n * 4),)
         out = val(f"{name}_out", (t_rep, h))
-        ops.append(Op(name, (src,), out, per_elem * n + t_rep, needs=(src,),
-                      internal=internal))
+        reads_input = f32 and config.norm == "rms"
+        ops.append(Op(name, (src,), out, per_elem * n + t_rep,
+                      needs=(src,) if reads_input else (), internal=internal))
         return out
 
     def matmul(name: str, src: str, out_shape: tuple[int, ...], contract: int,
@@ -659,12 +663,9 @@ def layer_graph(config: TransformerConfig, shape: StepShape,
         sm_flops = elems * (5 + (1 if config.causal else 0) + 2 * cvt)
         probs = val("probs", (b, heads, s, s))
         small = b * heads * s * 4
-        internal = (("softmax exp (float32)", elems * 4), ("masked scores (float32)", elems * 4),
-                    ("softmax row sums (float32)", 2 * small))
+        internal = (("softmax exp (float32)", elems * 4), ("softmax row sums (float32)", 2 * small))
         if config.causal:
-            internal += (("causal mask (bool)", elems),)
-        if not f32:
-            internal += (("softmax output (float32)", elems * 4),)
+            internal += (("causal mask (bool)", elems), ("masked scores", elems * ebytes))
         ops.append(Op("softmax", (scores,), probs, sm_flops, internal=internal))
         ctx = matmul("context", probs, (t_full, heads, d), s, "context", batch=True,
                      reads=(probs, v), inputs=(probs, v))
@@ -675,17 +676,16 @@ def layer_graph(config: TransformerConfig, shape: StepShape,
     n2 = norm("norm2", x1)
     a = matmul("linear1_0", n2, (t_full, f), h, "linear1_0")
     n_ff = t_full * f
+    pieces = 2 if config.activation == "silu" else 4  # what jax.nn.silu / gelu keep
+    act_flops = 4 if config.activation == "silu" else 8
+    gate = val("gated", (t_full, f))
     if config.gated_ffn:
         g_in = matmul("linear1_1", n2, (t_full, f), h, "linear1_1")
-        act_flops = (4 if config.activation == "silu" else 8) + 1
-        internal = (("activation pieces", 3 * n_ff * ebytes),)
-        gate = val("gated", (t_full, f))
-        ops.append(Op("activation", (a, g_in), gate, act_flops * n_ff,
+        internal = (("activation pieces", (pieces + 1) * n_ff * ebytes),)
+        ops.append(Op("activation", (a, g_in), gate, (act_flops + 1) * n_ff,
                       needs=(a, g_in), internal=internal))
     else:
-        act_flops = 4 if config.activation == "silu" else 8
-        internal = (("activation pieces", 2 * n_ff * ebytes),)
-        gate = val("gated", (t_full, f))
+        internal = (("activation pieces", pieces * n_ff * ebytes),)
         ops.append(Op("activation", (a,), gate, act_flops * n_ff, needs=(a,),
                       internal=internal))
     y = matmul("linear2", gate, (t_rep, h), f * sp, "linear2")
@@ -937,27 +937,38 @@ def korthikanti_terms(config: TransformerConfig, shape: StepShape) -> dict[str, 
     """The paper's per-layer no-recompute total ``sbh(34 + 5as/h)`` (16-bit, no parallelism)
     beside this model's figure for the same layer, with every difference named.
 
-    This model's figure is the values the backward reads (`LayerGraph` needs) with no
-    internal intermediates: what a fused implementation keeps, as the paper counts."""
+    ``model_bytes`` counts what a fused implementation keeps, as the paper does: the values
+    the backward reads (both operands of each matmul, the softmax output, the activation's
+    input and output) and each norm's input. ``differences`` are the paper's dropout terms,
+    which this layer does not have. ``jax_extras`` are the unfused intermediate values JAX
+    keeps without remat for the reference implementation, and ``fused_only_bytes`` what it
+    does not keep that the fused count does (a LayerNorm's input: JAX keeps the centred
+    float32 values instead); `LayerGraph.no_remat_bytes` is ``model_bytes - fused_only_bytes
+    + sum(jax_extras)``."""
     if shape.activation_dtype not in ("bfloat16", "float16"):
         raise ValueError("the paper counts 16-bit activations; use activation_dtype='bfloat16'")
+    if config.kv_heads != config.heads or config.gated_ffn or config.flash_attention:
+        raise ValueError("the paper's layer has multi-head attention, a plain MLP and no "
+                         "flash attention")
     s, b, h, a = shape.seq_len, shape.micro_batch, config.hidden, config.heads
     sbh, as2b = s * b * h, a * s * s * b
     paper = sbh * 34 + 5 * as2b
     graph = layer_graph(config, shape)
-    needed = {v for op in graph.ops for v in op.needs} | set(graph.inputs)
-    model = sum(graph.values[v].bytes for v in needed)
+    needed = {v for op in graph.ops for v in op.needs}
+    fused = needed | {op.inputs[0] for op in graph.ops if op.name.startswith("norm")}
+    model = sum(graph.values[v].bytes for v in fused)
     differences = [
         Term("attention-probability dropout mask (1 byte each)", -as2b),
         Term("attention-probability dropout output", -2 * as2b),
         Term("dropout mask after the attention block", -sbh),
         Term("dropout mask after the MLP block", -sbh),
     ]
-    if config.kv_heads != config.heads or config.gated_ffn:
-        raise ValueError("the paper's layer has multi-head attention and a plain 4h MLP")
-    return {"paper_bytes": paper, "model_bytes": model,
-            "differences": differences,
-            "unexplained_bytes": model - paper - sum(t.bytes for t in differences)}
+    extras = [Term(f"{op.name}: {what}", nbytes) for op in graph.ops
+              for what, nbytes in op.internal]
+    return {"paper_bytes": paper, "model_bytes": model, "differences": differences,
+            "unexplained_bytes": model - paper - sum(t.bytes for t in differences),
+            "jax_extras": extras,
+            "fused_only_bytes": sum(graph.values[v].bytes for v in fused - needed)}
 
 
 # --------------------------------------------------------------------------------------
