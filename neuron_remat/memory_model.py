@@ -444,7 +444,9 @@ def get_model(name: str) -> TransformerConfig:
 def from_hf_config(cfg: Mapping[str, Any], *, name: str | None = None,
                    **overrides: Any) -> TransformerConfig:
     """A `TransformerConfig` from a Hugging Face style ``config.json`` dict (Llama-like:
-    gated SiLU feed-forward, RMS norm)."""
+    gated SiLU feed-forward, RMS norm). ``config.json`` does not say which attention kernel
+    training uses; like the built-in models this assumes a flash-attention kernel, so pass
+    ``flash_attention=False`` for plain attention."""
     required = ("hidden_size", "num_attention_heads", "intermediate_size",
                 "num_hidden_layers", "vocab_size")
     missing = [k for k in required if k not in cfg]
@@ -459,7 +461,7 @@ def from_hf_config(cfg: Mapping[str, Any], *, name: str | None = None,
         activation="gelu" if act.startswith("gelu") else "silu",
         default_seq_len=cfg.get("max_position_embeddings"),
         name=name or str(cfg.get("_name_or_path") or cfg.get("model_type") or "hf-model"),
-        source="config.json",
+        source="config.json", flash_attention=True,
     )
     kw.update(overrides)
     return TransformerConfig(**kw)

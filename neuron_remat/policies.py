@@ -74,6 +74,62 @@ def _as_text(p: PatternLike) -> str:
     return p
 
 
+def _top_level_split(pattern: str) -> list[str]:
+    """Split `pattern` at its top-level ``|`` (outside groups, classes and escapes)."""
+    parts, depth, start, i, in_class = [], 0, 0, 0, False
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if pattern[i + 1:i + 2] == "]":
+                i += 1  # a literal ] first in the class
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "|" and depth == 0:
+            parts.append(pattern[start:i])
+            start = i + 1
+        i += 1
+    parts.append(pattern[start:])
+    return parts
+
+
+def _alternatives(pattern: str) -> list[str]:
+    """The top-level alternatives of `pattern`, looking through one group that wraps it
+    all: ``(a|b.*)`` -> ``["a", "b.*"]``. Patterns that would change meaning when split
+    (global inline flags, group references) are kept whole."""
+    if re.search(r"\\\d|\(\?P=", pattern):
+        return [pattern]
+    inner = pattern
+    m = re.fullmatch(r"\((\?:)?(.*)\)", pattern, re.DOTALL)
+    if m and len(_top_level_split(pattern)) == 1 and _balanced(m.group(2)):
+        inner = m.group(2)
+    parts = _top_level_split(inner)
+    if len(parts) == 1 or any(p == "" for p in parts):
+        return [pattern]
+    try:
+        for part in parts:
+            re.compile(part)
+    except re.error:
+        return [pattern]
+    return parts
+
+
+def _balanced(text: str) -> bool:
+    """True when `text` is a valid regex by itself (so the outer group wrapped all of it)."""
+    try:
+        re.compile(text)
+    except re.error:
+        return False
+    return True
+
+
 def _normalise(patterns: Patterns, what: str) -> tuple[str, ...]:
     if patterns is None:
         return ()
@@ -83,12 +139,16 @@ def _normalise(patterns: Patterns, what: str) -> tuple[str, ...]:
         text = _as_text(item)
         if text == "":
             raise ValueError(f"an empty {what} pattern matches only an empty tag; leave it out")
+        flags = re.match(r"\(\?([aiLmsux]+)\)", text)
+        if flags:  # leading global flags become scoped ones, so patterns can be joined
+            text = f"(?{flags.group(1)}:{text[flags.end():]})"
         try:
             re.compile(text)
         except re.error as err:
             raise ValueError(f"invalid regex {text!r} in {what} patterns: {err}") from None
-        if text not in out:
-            out.append(text)
+        for part in _alternatives(text):
+            if part not in out:
+                out.append(part)
     return tuple(out)
 
 
@@ -108,7 +168,10 @@ class RegexPolicy:
 
     Args:
         save: patterns of tags to keep in device memory (a string or a list, one pattern
-            per line reads best); they are joined into one alternation.
+            per line reads best); they are joined into one alternation. A pattern's
+            top-level alternatives (``a|b``, or ``(a|b)``) are kept as separate patterns, so
+            ``"a|b"`` and ``["a", "b"]`` make equal policies and the audit can tell which
+            alternative matched nothing.
         offload: patterns of tags to move to `offload_dst` instead; save wins when both match.
         offload_src, offload_dst: memory kinds for offloaded tags (``"device"``,
             ``"pinned_host"``); required when there are offload patterns.
@@ -817,8 +880,12 @@ def _candidates(fp: mm.Footprint, candidates: Iterable[str] | None) -> list[str]
 def _no_fit_message(full_kept: int, per_layer: int, bud: mm.Budget | None,
                     config: mm.TransformerConfig | None, shape: mm.StepShape | None,
                     par: mm.Parallelism | None) -> str:
-    msg = (f"even full recompute keeps {_fmt_bytes(full_kept)} per layer per core, over the "
-           f"{_fmt_bytes(per_layer)} budget")
+    if per_layer > 0:
+        msg = (f"even full recompute keeps {_fmt_bytes(full_kept)} per layer per core, over "
+               f"the {_fmt_bytes(per_layer)} budget")
+    else:
+        msg = (f"even full recompute keeps {_fmt_bytes(full_kept)} per layer per core, and "
+               "nothing is left for activations")
     if bud is not None:
         msg += (f" (HBM {_fmt_bytes(bud.hbm_bytes)} - state {_fmt_bytes(bud.state.total_bytes)}"
                 f" - reserve {_fmt_bytes(bud.reserve_bytes)} - workspace "

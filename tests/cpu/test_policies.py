@@ -74,6 +74,30 @@ def test_list_and_string_forms_are_one_alternation_and_decisions_are_cached():
     assert listed._decisions == {"a.q_proj": Saveable}
 
 
+def test_top_level_alternatives_become_separate_patterns():
+    assert pol.RegexPolicy(".*[kqv]_proj|.*linear1_[01]") == pol.preset("trn2-fuji-70b")
+    assert pol.RegexPolicy(r"(a\.x|b)").save == (r"a\.x", "b")  # one group around it all
+    kept_whole = [r".*([qkvo]_proj|context)", r"(a|b)c", r"[|]x", r"a\|b", r"(a)\1|b"]
+    for pattern in kept_whole:
+        assert pol.RegexPolicy(pattern).save == (pattern,)
+    flagged = pol.RegexPolicy(r"(?i)A|B")  # global flags become scoped, kept whole
+    assert flagged.save == ("(?i:A|B)",) and flagged.action("b") == "save"
+    assert pol.RegexPolicy(r"[|]x|y").save == (r"[|]x", "y")
+
+
+def test_audit_finds_the_dead_branches_of_one_long_regex(layer_args):
+    # The single-string pattern first proposed in axlearn PR #898's review: two of its four
+    # branches name tags that no layer emits.
+    x, params = layer_args
+    pr_pattern = (r"(TransformerAttentionLayer\.residual_add|.*\.?(k|q|v)_proj"
+                  r"|.*\.?linear1_[01]|TransformerFeedForwardLayer\.mlp_residual)")
+    report = pol.audit(layer, x, params, policy=pol.RegexPolicy(pr_pattern))
+    assert report.dead_patterns == (r"TransformerAttentionLayer\.residual_add",
+                                    r"TransformerFeedForwardLayer\.mlp_residual")
+    saved = {t.name for t in report.tags if t.action == "save"}
+    assert saved == {NAMES[r] for r in ("q_proj", "k_proj", "v_proj", "linear1_0", "linear1_1")}
+
+
 def test_signature_is_axlearns():
     sig = inspect.signature(pol.save_and_offload_only_these_names_regex)
     assert list(sig.parameters) == ["names_which_can_be_saved", "names_which_can_be_offloaded",

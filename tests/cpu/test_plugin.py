@@ -1,0 +1,200 @@
+"""The jax_remat_policy entry point: discovery, the provider's behaviour, its switches, and
+failure containment, through importlib.metadata as a host library would use it."""
+
+import logging
+import sys
+import textwrap
+from importlib.metadata import entry_points
+
+import pytest
+from jax.ad_checkpoint import checkpoint_policies
+
+import neuron_remat as nr
+from neuron_remat import plugin
+from neuron_remat.policies import RegexPolicy, preset
+
+HOST_DEFAULT = checkpoint_policies.dots_with_no_batch_dims_saveable
+SMALL = nr.TransformerConfig(hidden=256, heads=8, kv_heads=2, ffn=1024, layers=16, vocab=1000,
+                             flash_attention=True, name="small")
+SIM = "trn2.48xlarge:hbm=500MiB:cores=1"  # one simulated core with scaled-down HBM
+
+
+def host_remat_policy(default, **context):
+    """The few lines the README tells a host library to write (no neuron_remat import)."""
+    for ep in sorted(entry_points(group="jax_remat_policy"), key=lambda e: e.name):
+        answer = ep.load()(default=default, **context)
+        if answer is not None:
+            return answer
+    return default
+
+
+def test_entry_point_is_registered_by_the_installed_package():
+    eps = {ep.name: ep for ep in entry_points(group="jax_remat_policy")}
+    assert eps["neuron_remat"].value == "neuron_remat.plugin:provide"
+    assert eps["neuron_remat"].load() is plugin.provide
+
+
+def test_off_neuron_the_host_default_stands():
+    choice = nr.resolve_policy(default=HOST_DEFAULT, layer="decoder.layer", stack="stacked")
+    assert choice.policy is HOST_DEFAULT and choice.provider is None
+    assert host_remat_policy(HOST_DEFAULT, layer="decoder.layer", stack="stacked") is HOST_DEFAULT
+    assert plugin.provide(layer="x") is None
+
+
+def test_on_trn2_told_nothing_gives_the_trn2_preset(monkeypatch):
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2.48xlarge")
+    choice = nr.resolve_policy(default=HOST_DEFAULT, layer="decoder.layer", stack="stacked")
+    assert choice.provider == "neuron_remat"
+    assert choice.policy == preset("trn2-fuji-70b")
+    policy, prevent_cse = choice
+    assert prevent_cse is True
+    answer = host_remat_policy(HOST_DEFAULT, layer="decoder.layer", stack="stacked")
+    assert answer.policy == preset("trn2-fuji-70b") and answer.prevent_cse is True
+
+
+@pytest.mark.parametrize("stack, cse", [("stacked", True), ("repeated", False)])
+def test_prevent_cse_follows_the_stack(monkeypatch, stack, cse):
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2")
+    assert nr.resolve_policy(stack=stack).prevent_cse is cse
+
+
+def test_pipelined_stacks_are_left_alone(monkeypatch):
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2.48xlarge")
+    choice = nr.resolve_policy(default=HOST_DEFAULT, stack="pipelined", model="fuji-70b")
+    assert choice.policy is HOST_DEFAULT and choice.provider is None
+
+
+def test_a_described_model_gets_the_planned_policy(monkeypatch):
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", SIM)
+    shape = nr.StepShape(seq_len=2048, micro_batch=2)
+    choice = nr.resolve_policy(stack="repeated", model=SMALL, shape=shape,
+                               parallelism={"tp": 1})
+    expected = nr.plan(nr.parse_device(SIM), SMALL, shape,
+                       nr.Parallelism())
+    assert choice.policy == expected.policy and choice.prevent_cse is False
+    assert 0 < len(expected.saved_tags) < len(SMALL.roles) - 1  # a real trade-off
+    assert choice.plan.saved_tags == expected.saved_tags
+
+
+def test_hugging_face_dicts_and_model_names_are_accepted(monkeypatch):
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2.48xlarge")
+    hf = {"hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8,
+          "intermediate_size": 28672, "num_hidden_layers": 80, "vocab_size": 128256,
+          "max_position_embeddings": 8192}
+    par = {"tp": 4, "sequence_parallel": True, "fsdp": -1, "hosts": 8}
+    by_dict = plugin.provide(model=hf, parallelism=par)
+    by_name = plugin.provide(model="llama3-70b", parallelism=par)
+    assert isinstance(by_dict.policy, RegexPolicy) and by_dict.policy == by_name.policy
+
+
+def test_failures_warn_once_and_the_default_stands(monkeypatch, caplog):
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2.48xlarge")
+    caplog.set_level(logging.WARNING, logger="neuron_remat")
+    for _ in range(3):  # a host asks for every layer
+        choice = nr.resolve_policy(default=HOST_DEFAULT, model="no-such-model")
+        assert choice.policy is HOST_DEFAULT
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "unknown model 'no-such-model'" in warnings[0].getMessage()
+    assert "default policy stands" in warnings[0].getMessage()
+
+
+def test_a_model_that_cannot_fit_falls_back(monkeypatch, caplog):
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2:hbm=1GiB")
+    caplog.set_level(logging.WARNING, logger="neuron_remat")
+    choice = nr.resolve_policy(default=HOST_DEFAULT, model="fuji-70b",
+                               parallelism={"tp": 4})
+    assert choice.policy is HOST_DEFAULT
+    assert "NoFitError" in caplog.text and "even full recompute" in caplog.text
+
+
+def test_strict_mode_raises(monkeypatch):
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2.48xlarge")
+    monkeypatch.setenv("NEURON_REMAT_STRICT", "1")
+    with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
+        nr.resolve_policy(default=HOST_DEFAULT, model="no-such-model")
+
+
+def test_a_bad_override_is_contained_unless_strict(monkeypatch, caplog):
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn9")
+    assert nr.resolve_policy(default=HOST_DEFAULT).policy is HOST_DEFAULT
+    assert "unknown device 'trn9'" in caplog.text
+    monkeypatch.setenv("NEURON_REMAT_STRICT", "1")
+    with pytest.raises(ValueError, match="trn9"):
+        nr.resolve_policy(default=HOST_DEFAULT)
+
+
+def test_tags_the_preset_does_not_match_fall_back(monkeypatch, caplog):
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2")
+    choice = nr.resolve_policy(default=HOST_DEFAULT, tags=["Block.mlp_in", "Block.mlp_out"])
+    assert choice.policy is HOST_DEFAULT
+    assert "matches none of the tags" in caplog.text
+    ok = nr.resolve_policy(default=HOST_DEFAULT, tags=["Attn.q_proj", "Block.mlp_out"])
+    assert ok.policy == preset("trn2-fuji-70b")
+
+
+def test_disable_switch(monkeypatch):
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2.48xlarge")
+    monkeypatch.setenv("NEURON_REMAT_DISABLE", "1")
+    assert nr.resolve_policy(default=HOST_DEFAULT).policy is HOST_DEFAULT
+    assert plugin.provide() is None
+
+
+def test_answers_are_cached_per_context(monkeypatch):
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", SIM)
+    shape = {"seq_len": 2048, "micro_batch": 2}
+    first = plugin.provide(stack="repeated", model=SMALL, shape=shape, parallelism={})
+    second = plugin.provide(stack="repeated", model=SMALL, shape=dict(shape), parallelism={})
+    assert second is first and second.plan is first.plan  # planned once
+    other = plugin.provide(stack="stacked", model=SMALL, shape=shape, parallelism={})
+    assert other is not first and other.policy == first.policy
+
+
+def test_bad_stack_kind_is_a_clear_error():
+    with pytest.raises(ValueError, match="stack='scanned'.*stacked, repeated, pipelined"):
+        nr.resolve_policy(stack="scanned")
+
+
+# --- several providers, through real (temporary) distributions on sys.path -----------
+
+
+@pytest.fixture
+def extra_providers(tmp_path, monkeypatch):
+    """Install two more providers the way pip would leave them: a module and a
+    dist-info with entry_points.txt, found by importlib.metadata on sys.path."""
+    (tmp_path / "other_providers.py").write_text(textwrap.dedent("""
+        from jax.ad_checkpoint import checkpoint_policies
+
+        def broken(**context):
+            raise RuntimeError("provider bug")
+
+        def dots(**context):
+            return checkpoint_policies.dots_saveable if context.get("layer") == "dots" else None
+    """))
+    info = tmp_path / "other_providers-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: other-providers\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[jax_remat_policy]\naaa_broken = other_providers:broken\n"
+        "aab_dots = other_providers:dots\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plugin.clear_cache()
+    yield
+    sys.modules.pop("other_providers", None)
+    plugin.clear_cache()
+
+
+def test_first_answer_in_name_order_wins_and_a_broken_provider_is_skipped(
+        extra_providers, monkeypatch, caplog):
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2.48xlarge")
+    names = [ep.name for ep in entry_points(group="jax_remat_policy")]
+    assert {"aaa_broken", "aab_dots", "neuron_remat"} <= set(names)
+    choice = nr.resolve_policy(layer="dots", stack="repeated")
+    assert choice.policy is checkpoint_policies.dots_saveable and choice.provider == "aab_dots"
+    assert choice.prevent_cse is False
+    assert "'aaa_broken' raised RuntimeError: provider bug" in caplog.text
+    # Where the second provider has no opinion, neuron_remat answers.
+    assert nr.resolve_policy(layer="decoder").provider == "neuron_remat"
+    monkeypatch.setenv("NEURON_REMAT_STRICT", "1")
+    with pytest.raises(RuntimeError, match="provider bug"):
+        nr.resolve_policy(layer="decoder")
