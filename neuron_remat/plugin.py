@@ -296,7 +296,7 @@ class DeferredPolicy:
         choice = self.__dict__.get("_choice")
         if choice is None:
             kwargs = {k: _thaw(v) for k, v in self.context}
-            choice = resolve_policy(default=self.default, **kwargs)
+            choice = resolve_policy(default=_thaw(self.default), **kwargs)
             object.__setattr__(self, "_choice", choice)
         return choice
 
@@ -326,15 +326,18 @@ def _thaw(v: Any) -> Any:
     return v.value if isinstance(v, _Held) else v
 
 
+def _hashable(value: Any) -> Any:
+    try:
+        hash(value)
+    except TypeError:
+        return _Held(value)
+    return value
+
+
 def deferred(default: Any = None, **context: Any) -> DeferredPolicy:
-    items = []
-    for k, v in sorted(context.items()):
-        try:
-            hash(v)
-        except TypeError:
-            v = _Held(v)
-        items.append((k, v))
-    return DeferredPolicy(tuple(items), default)
+    """A `DeferredPolicy` for `context`; unhashable values (dicts) are carried by content."""
+    items = tuple((k, _hashable(v)) for k, v in sorted(context.items()))
+    return DeferredPolicy(items, _hashable(default))
 
 
 def checkpoint(fn: Callable[..., Any], *, default: Any = None, stack: str = "stacked",
