@@ -162,7 +162,8 @@ _RESULTS: dict[Any, RematChoice | None] = {}
 
 
 def clear_cache() -> None:
-    """Forget resolved answers (after changing the environment in a running process)."""
+    """Forget resolved answers (after changing the environment in a running process).
+    Layers already wrapped and traced keep the policy they resolved."""
     with _LOCK:
         _RESULTS.clear()
     _providers.cache_clear()
@@ -280,13 +281,17 @@ def _as_parallelism(par: Any, device: DeviceSpec) -> mm.Parallelism:
 # --------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DeferredPolicy:
     """A remat policy that resolves itself the first time JAX asks it about a primitive.
 
     Adapters hand this to ``jax.checkpoint`` so that wrapping a layer at import time does
     not detect the device (and start JAX's backends) before the program has set itself up,
-    e.g. before ``jax.distributed.initialize()``.
+    e.g. before ``jax.distributed.initialize()``. Once resolved it keeps its answer.
+
+    Compared by identity: JAX caches remat partial evaluation per (function, policy), and
+    two deferred policies with equal context may resolve differently (the environment can
+    change between their first traces), so they must not share cache entries.
     """
 
     context: tuple[tuple[str, Any], ...]
