@@ -524,9 +524,6 @@ class LayerGraph:
     ops: tuple[Op, ...]
     inputs: tuple[str, ...] = ("x",)
 
-    def producer(self, value: str) -> Op:
-        return self._producers[value]
-
     @property
     def _producers(self) -> dict[str, Op]:
         cache = self.__dict__.get("_producer_cache")
@@ -608,7 +605,7 @@ def layer_graph(config: TransformerConfig, shape: StepShape,
     heads = config.heads // tp
     kv = config.kv_heads // tp if config.kv_heads % tp == 0 else 1
     d, f = config.head_dim, config.ffn // tp
-    tags = {r: r for r in config.roles}
+    emitted = set(config.roles)  # roles the host tags in this layer
     ebytes = dtype_bytes(act)
 
     values: dict[str, Value] = {}
@@ -616,7 +613,7 @@ def layer_graph(config: TransformerConfig, shape: StepShape,
 
     def val(name: str, shp: tuple[int, ...], role: str | None = None, dtype: str = act,
             **kw: Any) -> str:
-        values[name] = Value(name, shp, dtype, tags.get(role) if role else None, **kw)
+        values[name] = Value(name, shp, dtype, role if role in emitted else None, **kw)
         return name
 
     def norm(name: str, src: str) -> str:
