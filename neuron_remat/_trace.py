@@ -187,12 +187,20 @@ def jaxpr_cost(jaxpr: Any) -> ProgramCost:
 def linearized_cost(fn: Callable[..., Any], args: Sequence[Any],
                     kwargs: dict[str, Any] | None = None) -> ProgramCost:
     """Work in the linearized program of `fn`: what the backward does, recomputation
-    included (the same program jax.linearize prints)."""
+    included (the same program jax.linearize prints).
+
+    Traced abstractly (inside `jax.eval_shape`): on concrete arrays `jax.linearize` runs
+    the primal computation eagerly, op by op, and compiles every `lax.scan` it meets."""
     kwargs = kwargs or {}
-    _, lin = jax.linearize(lambda *a: fn(*a, **kwargs), *args)
     tangents = jax.tree.map(lambda a: np.zeros(np.shape(a), _tangent_dtype(a)), tuple(args))
-    closed = jax.make_jaxpr(lin)(*tangents)
-    return jaxpr_cost(closed.jaxpr)
+    found: list[Any] = []
+
+    def trace(*primals: Any) -> None:
+        _, lin = jax.linearize(lambda *a: fn(*a, **kwargs), *primals)
+        found.append(jax.make_jaxpr(lin)(*tangents))
+
+    jax.eval_shape(trace, *args)
+    return jaxpr_cost(found[0].jaxpr)
 
 
 def _tangent_dtype(a: Any) -> Any:
@@ -251,6 +259,9 @@ def traced_footprint(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[s
         infos = [i for i in infos if i.name in set(only)]
     base_bytes, _ = kept(frozenset())
     base_flops = cost(frozenset())
+    # What full remat recomputes beyond no remat, untagged work (norms, softmax,
+    # activations) included: no save set avoids that part.
+    full_recompute = float(max(base_flops - linearized_cost(fn, args, kwargs).flops, 0))
     forward = jaxpr_cost(_closed(fn, args, kwargs).jaxpr).flops
     tags: dict[str, Any] = {}
     for info in infos:
@@ -268,5 +279,5 @@ def traced_footprint(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[s
             bytes=info.bytes * info.count if always else max(extra, 0),
             recompute_flops=float(max(flops, 0)), always_kept=always,
             size_bytes=info.bytes * info.count, shape=info.shape, dtype=info.dtype, note=note)
-    return Footprint(tags, always_kept_bytes=base_bytes,
+    return Footprint(tags, always_kept_bytes=base_bytes, full_recompute_flops=full_recompute,
                      forward_flops=float(forward))

@@ -738,8 +738,11 @@ class Footprint(dict):  # dict[str, TagCost]
                  patterns: Mapping[str, str] | None = None,
                  graph: LayerGraph | None = None, roles: Mapping[str, str] | None = None,
                  forward_flops: float = 0.0, no_remat_bytes: int = 0,
-                 workspace_bytes: int = 0) -> None:
+                 workspace_bytes: int = 0, full_recompute_flops: float | None = None) -> None:
         super().__init__(tags)
+        # Additive footprints: what saving nothing recomputes. None: the sum of the tags'
+        # savings (as if every recomputed FLOP belonged to some tag).
+        self.full_recompute_flops = full_recompute_flops
         self.always_kept_bytes = always_kept_bytes
         self.patterns = dict(patterns or {t: re.escape(t) for t in tags})
         self.graph = graph
@@ -757,7 +760,9 @@ class Footprint(dict):  # dict[str, TagCost]
         if self.graph is not None:
             ev = self.graph.evaluate_roles(self.roles[t] for t in chosen)
             return ev.kept_bytes, float(ev.recompute_flops)
-        full = sum(c.recompute_flops for c in self.values() if not c.always_kept)
+        full = self.full_recompute_flops
+        if full is None:
+            full = sum(c.recompute_flops for c in self.values() if not c.always_kept)
         kept = self.always_kept_bytes + sum(
             self[t].bytes for t in chosen if not self[t].always_kept)
         return kept, full - sum(self[t].recompute_flops for t in chosen

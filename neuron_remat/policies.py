@@ -680,9 +680,9 @@ def _grid(rows: list[tuple[str, ...]]) -> list[str]:
 def _solve(footprint: mm.Footprint, candidates: Sequence[str], budget: int,
            keep: int = 4) -> list[Choice]:
     """The `keep` best feasible save sets (least recompute, then fewest bytes, then names),
-    exactly: every subset is evaluated when the footprint is a joint model (at most
-    2**12), otherwise a branch and bound over the additive per-tag costs."""
-    if footprint.graph is not None or len(candidates) <= 12:
+    exactly: every subset is evaluated when the footprint is a joint model (at most 2**16)
+    or small (2**8), otherwise a branch and bound over the additive per-tag costs."""
+    if footprint.graph is not None or len(candidates) <= 8:
         if len(candidates) > 16:
             raise ValueError(f"{len(candidates)} candidate tags are too many to enumerate")
         found = []
@@ -859,7 +859,8 @@ def _as_footprint(mapping: Mapping[str, Any]) -> mm.Footprint:
         tags[name] = mm.TagCost(bytes=int(cost.bytes), recompute_flops=float(cost.recompute_flops),
                                 always_kept=bool(getattr(cost, "always_kept", False)))
     always = sum(c.bytes for c in tags.values() if c.always_kept)
-    return mm.Footprint(tags, always_kept_bytes=always)
+    return mm.Footprint(tags, always_kept_bytes=always,
+                        full_recompute_flops=getattr(mapping, "full_recompute_flops", None))
 
 
 def _candidates(fp: mm.Footprint, candidates: Iterable[str] | None) -> list[str]:

@@ -1,0 +1,156 @@
+"""Shared pieces of the benchmark scripts: layer sizes, argument parsing, tables, JSON.
+
+The scripts in this folder are run as ``python benchmarks/<name>.py``; each also has a
+``main(argv) -> dict`` that `run_all` and the smoke test call in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = REPO / "out"
+
+
+@dataclass(frozen=True)
+class Size:
+    """A reference decoder layer and the micro-batch it runs on (float32 throughout: the
+    CPU backend stores bfloat16 as float32, so only float32 measures what a device keeps)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    seq: int
+    batch: int
+
+    def config(self, layers: int = 8) -> Any:
+        import neuron_remat as nr  # noqa: PLC0415
+
+        return nr.TransformerConfig(hidden=self.hidden, heads=self.heads,
+                                    kv_heads=self.kv_heads, ffn=self.ffn, layers=layers,
+                                    vocab=1024, flash_attention=False, name="bench-layer")
+
+    def shape(self) -> Any:
+        import neuron_remat as nr  # noqa: PLC0415
+
+        return nr.StepShape(seq_len=self.seq, micro_batch=self.batch,
+                            activation_dtype="float32")
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+SIZES = {
+    # GQA (8 query heads over 2 KV heads), gated SiLU FFN: compiles in about a second.
+    "default": Size(hidden=256, heads=8, kv_heads=2, ffn=704, seq=128, batch=2),
+    # For the smoke test.
+    "small": Size(hidden=64, heads=4, kv_heads=2, ffn=176, seq=32, batch=1),
+}
+
+
+def parser(description: str, name: str) -> argparse.ArgumentParser:
+    """An argument parser with the options every benchmark takes."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--small", action="store_true",
+                   help="smallest sizes and fewest repetitions (the smoke test)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help=f"folder for JSON and PNG output (default {DEFAULT_OUT})")
+    p.add_argument("--json", type=Path, default=None,
+                   help=f"where to write the JSON (default OUT/{name}.json)")
+    p.add_argument("--quiet", action="store_true", help="print nothing")
+    return p
+
+
+def json_path(args: argparse.Namespace, name: str) -> Path:
+    return args.json if args.json is not None else args.out / f"{name}.json"
+
+
+def write_json(path: Path, data: Any) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=_jsonable) + "\n")
+    return path
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, (set, frozenset, tuple)):
+        return list(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    if hasattr(obj, "item"):  # numpy scalars
+        return obj.item()
+    raise TypeError(f"not JSON serialisable: {obj!r}")
+
+
+def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
+    """A plain-text table: first column left-aligned, the others right-aligned."""
+    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+
+    def line(r: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    out = [line(cells[0]), "  ".join("-" * w for w in widths)]
+    out.extend(line(r) for r in cells[1:])
+    return "\n".join(out)
+
+
+def kib(n: float) -> str:
+    return f"{n / 1024:,.1f}"
+
+
+def pct(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def median_time(fn: Callable[[], Any], repeat: int, warmup: int = 1) -> float:
+    """Median wall-clock seconds of `fn()` over `repeat` calls, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def fit_power(xs: Iterable[float], ys: Iterable[float]) -> float:
+    """Least-squares exponent k of ``y = c * x**k`` (log-log slope)."""
+    pts = [(math.log(x), math.log(y)) for x, y in zip(xs, ys) if x > 0 and y > 0]
+    return _slope(pts)
+
+
+def fit_exponential(xs: Iterable[float], ys: Iterable[float]) -> float:
+    """Least-squares growth factor g of ``y = c * g**x`` (per unit of x)."""
+    pts = [(float(x), math.log(y)) for x, y in zip(xs, ys) if y > 0]
+    return math.exp(_slope(pts))
+
+
+def _slope(pts: list[tuple[float, float]]) -> float:
+    if len(pts) < 2:
+        return float("nan")
+    mx = sum(p[0] for p in pts) / len(pts)
+    my = sum(p[1] for p in pts) / len(pts)
+    den = sum((p[0] - mx) ** 2 for p in pts)
+    return sum((p[0] - mx) * (p[1] - my) for p in pts) / den if den else float("nan")
+
+
+class Printer:
+    """`print` unless --quiet."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+
+    def __call__(self, *parts: Any) -> None:
+        if not self.quiet:
+            print(*parts, flush=True)

@@ -1,0 +1,106 @@
+"""Run every benchmark with one command: ``python benchmarks/run_all.py [--small]``.
+
+Runs, in one process, the frontier (`frontier.py`), the planner's accuracy on the same
+measurements (`accuracy.py`), the package's overheads (`overheads.py`), how planning and
+auditing scale (`scaling.py`) and, where a CUDA GPU is present, real peak memory
+(`gpu_peak_memory.py`, skipped with a message otherwise). Each writes its JSON (and the
+frontier its PNG) under ``--out`` (default ``out/``); ``summary.json`` collects the headline
+figures and how long each part took.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # for the GPU part
+
+import sys  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # run as a script or imported
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+
+NAME = "summary"
+
+
+def headline(results: dict[str, Any]) -> dict[str, Any]:
+    """The figures worth quoting, from each part's results."""
+    out: dict[str, Any] = {}
+    fr = results.get("frontier")
+    if fr:
+        out["frontier"] = [{
+            "budget_bytes": e["budget_bytes"],
+            "planner_overhead": e["planner"]["overhead"],
+            "optimum_overhead": e["optimum"]["overhead"] if e["optimum"] else None,
+            "best_hand_written": e["best_hand_written"],
+        } for e in fr["budgets"]]
+        out["planner_matches_optimum"] = all(
+            e.get("planner_minus_optimum", 0.0) <= fr["tie"] for e in fr["budgets"])
+        out["planner_never_worse_than_hand_written"] = all(
+            e.get("planner_minus_best_hand_written", 0.0) <= fr["tie"] for e in fr["budgets"])
+    acc = results.get("accuracy")
+    if acc:
+        out["accuracy"] = {"subsets_bytes_ratio": acc["subsets_bytes_ratio"],
+                           "subsets_flops_ratio": acc["subsets_flops_ratio"],
+                           "temp_slope_ratio": acc["temp_slope_ratio"]}
+    ov = results.get("overheads")
+    if ov:
+        out["overheads"] = {
+            "import_ms": ov["import"]["neuron_remat_ms"],
+            "plan_70b_ms": ov["plan"]["median_ms"],
+            "detect_first_call_ms": ov["detect"]["default"]["first_call_fresh_process_ms"],
+            "regex_trace_overhead": ov["trace"][0]["overhead"]}
+    sc = results.get("scaling")
+    if sc:
+        out["scaling"] = sc["fits"]
+    gpu = results.get("gpu_peak_memory")
+    if gpu is not None:
+        out["gpu_skipped"] = gpu.get("skipped", False)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    p = C.parser(__doc__.splitlines()[0], NAME)
+    p.add_argument("--skip", default="", help="comma-separated parts to skip "
+                   "(frontier, accuracy, overheads, scaling, gpu_peak_memory)")
+    args = p.parse_args(argv)
+    import accuracy  # noqa: PLC0415
+    import frontier  # noqa: PLC0415
+    import gpu_peak_memory  # noqa: PLC0415
+    import overheads  # noqa: PLC0415
+    import scaling  # noqa: PLC0415
+
+    say = C.Printer(args.quiet)
+    skip = {s for s in args.skip.split(",") if s}
+    common = ["--out", str(args.out)] + (["--small"] if args.small else []) + \
+        (["--quiet"] if args.quiet else [])
+    results: dict[str, Any] = {}
+    seconds: dict[str, float] = {}
+    t_all = time.perf_counter()
+    parts = [("frontier", lambda: frontier.main(common)),
+             ("accuracy", lambda: accuracy.main(common, frontier=results.get("frontier"))),
+             ("overheads", lambda: overheads.main(common)),
+             ("scaling", lambda: scaling.main(common)),
+             ("gpu_peak_memory", lambda: gpu_peak_memory.main(common))]
+    for name, run in parts:
+        if name in skip or (name == "accuracy" and "frontier" in skip):
+            continue
+        say(f"\n=== {name} ===")
+        t = time.perf_counter()
+        results[name] = run()
+        seconds[name] = time.perf_counter() - t
+    seconds["total"] = time.perf_counter() - t_all
+    summary = {"small": args.small, "seconds": seconds, **headline(results)}
+    path = C.write_json(C.json_path(args, NAME), summary)
+    say("\n" + C.table([(k, f"{v:.1f} s") for k, v in seconds.items()], ("part", "time")))
+    say(f"wrote {path}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Smoke test: every benchmark script runs at its smallest size and writes sane results.
+
+`benchmarks/run_all.py --small` runs once (in this process, so JAX starts once); the tests
+then read each script's JSON. Nothing here asserts a timing: timings are printed by the
+scripts, and only their presence and sign are checked.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import run_all
+
+        folder = tmp_path_factory.mktemp("bench")
+        run_all.main(["--small", "--quiet", "--out", str(folder)])
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return folder
+
+
+def load(folder, name):
+    return json.loads((folder / f"{name}.json").read_text())
+
+
+def test_every_part_wrote_its_json(out):
+    for name in ("frontier", "accuracy", "overheads", "scaling", "gpu_peak_memory", "summary"):
+        assert (out / f"{name}.json").is_file(), name
+    summary = load(out, "summary")
+    assert summary["small"] is True
+    assert summary["seconds"]["total"] > 0
+
+
+def test_frontier_planner_is_optimal_and_beats_hand_written(out):
+    fr = load(out, "frontier")
+    assert fr["dtype"] == "float32" and fr["backend"] == "cpu"
+    assert len(fr["budgets"]) >= 3
+    for e in fr["budgets"]:
+        planner, optimum = e["planner"], e["optimum"]
+        assert planner["fits"] and planner["saved_bytes"] <= e["budget_bytes"]
+        assert optimum is not None
+        assert planner["overhead"] <= optimum["overhead"] + fr["tie"], e
+        best = e["best_hand_written"]
+        if best is not None:
+            assert best["saved_bytes"] <= e["budget_bytes"]
+            assert planner["overhead"] <= best["overhead"] + fr["tie"], e
+    # The budgets span full remat to saving every tag, so overhead falls along them.
+    overheads = [e["planner"]["overhead"] for e in fr["budgets"]]
+    assert all(b <= a + fr["tie"] for a, b in zip(overheads, overheads[1:])), overheads
+    assert overheads[0] > 0.05 and overheads[-1] < overheads[0]
+    assert fr["codegen_check"]["same"]
+    assert fr["flops_layer_count_spread"] < 1e-9  # a scan body is counted once
+
+
+def test_frontier_policies_are_measured(out):
+    fr = load(out, "frontier")
+    by_name = {r["name"]: r for r in fr["policies"]}
+    for name in ("no remat", "full remat (nothing_saveable)", "dots_saveable",
+                 "dots_with_no_batch_dims_saveable", "preset trn2-fuji-70b",
+                 "maxtext minimal", "maxtext save_qkv_proj", "maxtext save_dot_except_mlp"):
+        assert name in by_name, name
+    assert by_name["no remat"]["overhead"] == 0.0
+    full = by_name["full remat (nothing_saveable)"]
+    assert full["overhead"] > by_name["preset trn2-fuji-70b"]["overhead"] > 0
+    assert by_name["preset full"]["flops"] == full["flops"]
+    # The analytic bytes are JAX's saved-residual bytes exactly, for every name policy.
+    for r in fr["policies"]:
+        if r["group"] in ("preset", "maxtext", "planner", "jax"):
+            assert r["predicted_bytes"] == r["saved_bytes"], r["name"]
+        assert r["temp_slope_bytes"] > 0
+    assert len(fr["subsets"]) == 256
+    assert all(s["predicted_bytes"] == s["saved_bytes"] for s in fr["subsets"])
+    png = (out / "frontier.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+
+
+def test_accuracy_ratios(out):
+    acc = load(out, "accuracy")
+    assert acc["subsets_bytes_ratio"]["max_abs_error"] == 0
+    assert acc["subsets_compiled"] > 0
+    by_name = {r["name"]: r for r in acc["policies"]}
+    full = by_name["full remat (nothing_saveable)"]
+    assert full["bytes_ratio"] == 1.0
+    assert abs(full["flops_ratio"] - 1) < 0.02
+    assert 0.9 < acc["step_flops"]["ratio"] < 1.1
+    assert by_name["no remat"]["flops_ratio"] is None  # nothing recomputed
+
+
+def test_overheads_are_positive_numbers(out):
+    ov = load(out, "overheads")
+    imp = ov["import"]
+    assert imp["neuron_remat_ms"] > 0 and imp["bytecode_cached"]["jax_ms"] > 0
+    assert not imp["bytecode_cached"]["backends_started_at_import"]
+    assert "neuron_remat.policies" in imp["modules"]
+    for label in ("default", "override", "use_jax=False"):
+        d = ov["detect"][label]
+        assert d["first_call_fresh_process_ms"] > 0 and d["warm_us"] > 0
+    assert ov["detect"]["override"]["source"] == "override"
+    assert ov["plan"]["median_ms"] > 0 and ov["plan"]["saved_tags"]
+    for t in ov["trace"]:
+        assert t["regex_ms"] > 0 and t["jax_ms"] > 0 and math.isfinite(t["overhead"])
+    assert ov["policy_calls"]["calls_per_trace_32_unrolled"]["name"] > 0
+
+
+def test_scaling_tables_and_exact_planner(out):
+    sc = load(out, "scaling")
+    assert [r["layers"] for r in sc["plan_layers"]] == [8, 32, 80, 160]
+    assert all(r["ms"] > 0 for r in sc["plan_layers"])
+    assert all(r["unrolled_s"] > 0 and r["scan_s"] > 0 for r in sc["audit_layers"])
+    methods = {r["method"] for r in sc["plan_tags"]}
+    assert methods == {"enumeration", "branch and bound"}
+    checked = [r for r in sc["plan_tags"] if r["checked"]]
+    assert any(r["method"] == "branch and bound" for r in checked)
+    for r in checked:  # the planner's answer is the brute-force optimum
+        assert r["max_relative_gap_to_brute_force"] <= 1e-9, r
+    for value in sc["fits"].values():
+        assert math.isfinite(value)
+
+
+def test_gpu_script_skips_cleanly_without_a_gpu(out):
+    gpu = load(out, "gpu_peak_memory")
+    if gpu["skipped"]:
+        assert "no CUDA GPU" in gpu["reason"]
+    else:
+        assert gpu["policies"]
