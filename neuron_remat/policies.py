@@ -825,7 +825,8 @@ def plan(
     for t in usable:
         cost = fp[t]
         if t in best.tags:
-            decisions[t] = f"saved: {cost.recompute_flops / cost.bytes:.3g} FLOP/B"
+            decisions[t] = (f"saved: {cost.recompute_flops / cost.bytes:.3g} FLOP/B"
+                            if cost.bytes else "saved: free to keep")
         else:
             alone, _ = fp.evaluate(best.tags + (t,))
             decisions[t] = ("does not fit: " if alone > per_layer else "") + (

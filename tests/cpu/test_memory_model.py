@@ -80,6 +80,13 @@ def test_analytic_tag_bytes_equal_traced_bytes_exactly(inputs):
     for role, full in NAMES.items():
         a, t = analytic[CFG.tag(role)].recompute_flops, traced[full].recompute_flops
         assert t == pytest.approx(a, rel=0.05, abs=1e5), role
+    # Saving nothing recomputes the untagged work too (norms, softmax, activations), and
+    # saving every tag still leaves it: both footprints agree on what remains.
+    every_a = [t for t in analytic if not analytic[t].always_kept]
+    every_t = [t for t in traced if not traced[t].always_kept]
+    assert traced.evaluate(())[1] == pytest.approx(analytic.evaluate(())[1], rel=0.02)
+    assert traced.evaluate(every_t)[1] == pytest.approx(analytic.evaluate(every_a)[1], rel=0.1)
+    assert traced.evaluate(every_t)[1] > 0
 
 
 @pytest.mark.parametrize("name", list(SAVE_SETS))
