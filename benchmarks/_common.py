@@ -80,6 +80,14 @@ def write_json(path: Path, data: Any) -> Path:
     return path
 
 
+def finish(args: argparse.Namespace, name: str, result: dict[str, Any], text: str,
+           say: Callable[[str], None]) -> dict[str, Any]:
+    """Print a script's report, write its JSON and say where."""
+    say(text)
+    say(f"wrote {write_json(json_path(args, name), result)}")
+    return result
+
+
 def _jsonable(obj: Any) -> Any:
     if isinstance(obj, (set, frozenset, tuple)):
         return list(obj)

@@ -130,10 +130,7 @@ def main(argv: Sequence[str] | None = None, frontier: dict[str, Any] | None = No
             fargs = ["--quiet", "--out", str(args.out)] + (["--small"] if args.small else [])
             frontier = fr.main(fargs)
     acc = analyse(frontier)
-    say(report(acc))
-    path = C.write_json(C.json_path(args, NAME), acc)
-    say(f"wrote {path}")
-    return acc
+    return C.finish(args, NAME, acc, report(acc), say)
 
 
 if __name__ == "__main__":

@@ -175,10 +175,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     res = measure(args, say) | {"skipped": False}
     res["seconds"] = time.perf_counter() - t0
-    say(report(res))
-    path = C.write_json(C.json_path(args, NAME), res)
-    say(f"wrote {path}")
-    return res
+    return C.finish(args, NAME, res, report(res), say)
 
 
 if __name__ == "__main__":

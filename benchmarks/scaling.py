@@ -203,10 +203,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     res["fits"] = fits(res)
     res["seconds"] = time.perf_counter() - t0
-    say(report(res))
-    path = C.write_json(C.json_path(args, NAME), res)
-    say(f"wrote {path}")
-    return res
+    return C.finish(args, NAME, res, report(res), say)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ no recompute), which `korthikanti_terms` itemises:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import re
@@ -524,21 +525,13 @@ class LayerGraph:
     ops: tuple[Op, ...]
     inputs: tuple[str, ...] = ("x",)
 
-    @property
+    @functools.cached_property
     def _producers(self) -> dict[str, Op]:
-        cache = self.__dict__.get("_producer_cache")
-        if cache is None:
-            cache = {op.output: op for op in self.ops}
-            object.__setattr__(self, "_producer_cache", cache)
-        return cache
+        return {op.output: op for op in self.ops}
 
-    @property
+    @functools.cached_property
     def _by_name(self) -> dict[str, Op]:
-        cache = self.__dict__.get("_op_cache")
-        if cache is None:
-            cache = {op.name: op for op in self.ops}
-            object.__setattr__(self, "_op_cache", cache)
-        return cache
+        return {op.name: op for op in self.ops}
 
     def evaluate(self, saved: Callable[[Value], bool]) -> Evaluation:
         """Kept bytes and recompute FLOPs when `saved(value)` says which values are saveable."""
