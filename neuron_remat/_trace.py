@@ -1,6 +1,6 @@
 """What JAX itself says about a function: the tags it emits, the residuals a policy keeps,
-and the work its linearized (backward) program does. Shared by `memory_model` and
-`policies`; JAX is imported here, so the public modules import this one lazily."""
+and the work its linearized (backward) program does. Shared by `memory_model` (which
+imports it only when measuring, so it needs no JAX itself) and `policies`."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ class Residual:
     shape: tuple[int, ...]
     dtype: str
     bytes: int
+    argnum: int | None = None  # for arguments: which positional argument it belongs to
 
 
 def _aval_bytes(aval: Any) -> int:
@@ -97,12 +98,12 @@ _ARG = re.compile(r"from the argument (?P<name>.*)$")
 
 
 def residuals(fn: Callable[..., Any], args: Sequence[Any],
-              kwargs: dict[str, Any] | None = None,
-              arg_names: Sequence[str] | None = None) -> list[Residual]:
+              kwargs: dict[str, Any] | None = None) -> list[Residual]:
     """What JAX's saved-residuals analysis keeps for `fn` (already wrapped in
-    ``jax.checkpoint`` when a policy is to apply). Arguments are reported by the names in
-    `arg_names` (one per flattened leaf) when given."""
+    ``jax.checkpoint`` when a policy is to apply). Arguments carry the index of the
+    positional argument they are a leaf of (None if JAX's description cannot say)."""
     leaves, tree = jax.tree.flatten(tuple(args))
+    argnums = leaf_argnums(args)
     kwargs = kwargs or {}
 
     def flat(*leaves: Any) -> Any:
@@ -117,9 +118,8 @@ def residuals(fn: Callable[..., Any], args: Sequence[Any],
         elif m := _ARG.search(src):
             name = m.group("name")
             idx = re.fullmatch(r"leaves\[(\d+)\]", name)
-            if idx and arg_names is not None:
-                name = arg_names[int(idx.group(1))]
-            out.append(Residual("argument", name, shape, dtype, nbytes))
+            argnum = argnums[int(idx.group(1))] if idx else None
+            out.append(Residual("argument", name, shape, dtype, nbytes, argnum))
         else:
             out.append(Residual("other", src, shape, dtype, nbytes))
     return out
@@ -225,15 +225,13 @@ def traced_footprint(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[s
                      *, activation_argnums: Sequence[int], only: Sequence[str] | None) -> Any:
     from .memory_model import Footprint, TagCost  # noqa: PLC0415
 
-    leaf_args = leaf_argnums(args)
-    names = [f"argument {i}" for i in leaf_args]
     acts = set(activation_argnums)
     bad = [i for i in acts if not 0 <= i < len(args)]
     if bad:
         raise ValueError(f"activation_argnums {bad} out of range for {len(args)} arguments")
 
     def kept(policy_names: frozenset[str]) -> tuple[int, dict[str, int]]:
-        res = residuals(checkpointed(fn, _OnlyThese(policy_names)), args, kwargs, names)
+        res = residuals(checkpointed(fn, _OnlyThese(policy_names)), args, kwargs)
         by_tag: dict[str, int] = {}
         activation = 0
         for r in res:
@@ -241,7 +239,7 @@ def traced_footprint(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[s
                 by_tag[r.name] = by_tag.get(r.name, 0) + r.bytes
                 activation += r.bytes
             elif r.kind == "argument":
-                if int(r.name.split()[1]) in acts:
+                if r.argnum is None or r.argnum in acts:  # unknown: count it, to be safe
                     activation += r.bytes
             else:
                 activation += r.bytes

@@ -96,6 +96,10 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
             reserve = float(args.reserve)
         except ValueError:
             reserve = dev.parse_bytes(args.reserve, what="--reserve")
+        else:
+            if not 0 <= reserve < 1:
+                raise ValueError(f"--reserve {args.reserve}: give a fraction of HBM below 1 "
+                                 "(0.1) or a size with a unit (2GiB)")
     candidates = args.candidates.split(",") if args.candidates else None
     return config, shape, par, device, note, reserve, candidates
 
@@ -212,7 +216,8 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     else:
         policy = policies.RegexPolicy(args.save or (), args.offload or (),
                                       offload_src="device" if args.offload else None,
-                                      offload_dst=args.offload_dst if args.offload else None)
+                                      offload_dst=args.offload_dst if args.offload else None,
+                                      allow_offload_on_neuron=args.allow_offload_on_neuron)
     fn, fargs = _load_factory(args.target)
     report = policies.audit(fn, *fargs, policy=policy)
     if args.json:
@@ -313,6 +318,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--save", nargs="+", metavar="PATTERN", help="save patterns")
     a.add_argument("--offload", nargs="+", metavar="PATTERN", help="offload patterns")
     a.add_argument("--offload-dst", default="pinned_host")
+    a.add_argument("--allow-offload-on-neuron", action="store_true",
+                   help="offload even on a Neuron device (not documented by its compiler)")
     a.add_argument("--strict", action="store_true", help="exit 2 on dead patterns")
     a.add_argument("--json", action="store_true", help="print JSON")
     a.set_defaults(run=_cmd_audit)
@@ -333,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.run(args))
-    except (ValueError, TypeError, ImportError, AttributeError) as err:
+    except (ValueError, TypeError, ImportError, OSError) as err:
         if getattr(args, "json", False):
             _print_json({"error": f"{type(err).__name__}: {err}"})
         else:

@@ -11,7 +11,10 @@
    a Neuron host without the Neuron PJRT plugin also reports ``cpu``.
 3. Neuron sysfs (``/sys/devices/virtual/neuron_device/neuron*/info/architecture/*``) and,
    when ``/dev/neuron*`` exists but sysfs cannot say, ``neuron-ls -j`` under a short timeout.
-4. EC2 DMI (``/sys/devices/virtual/dmi/id/product_name`` with ``sys_vendor`` = Amazon EC2).
+4. EC2 DMI (``/sys/devices/virtual/dmi/id/product_name`` where ``sys_vendor`` is Amazon EC2).
+
+JAX's ``NC_v2`` and a 32 GiB ``neuron-ls`` device are Trn1 or Inf2; sysfs or DMI decide
+between them when they can, and Trn1 is assumed when they cannot.
 
 The logical-core configuration comes from ``NEURON_LOGICAL_NC_CONFIG`` (default 2 on
 TRN2/TRN3) and the visible cores from ``NEURON_RT_VISIBLE_CORES`` or ``NEURON_RT_NUM_CORES``.
@@ -51,6 +54,7 @@ __all__ = [
     "NEURON_FAMILIES",
     "detect",
     "from_instance_type",
+    "looks_like_neuron",
     "parse_bytes",
     "parse_device",
 ]
@@ -494,6 +498,7 @@ class _Probe:
     lnc: int | None = None
     hbm: int | None = None
     device_kind: str | None = None
+    provisional: bool = False  # the family could be another with the same signature
 
 
 def _read(path: str) -> str | None:
@@ -534,7 +539,9 @@ def _probe_jax(notes: list[Evidence]) -> tuple[_Probe | None, str | None, int]:
         if family is None:
             desc += " (device_kind not recognised: family taken from later evidence)"
         notes.append(Evidence("jax", desc))
-        probe = _Probe(family=family, cores=len(devices), lnc=lnc, device_kind=kind)
+        # NC_v2 is both Trn1 and Inf2: later evidence may say which.
+        probe = _Probe(family=family, cores=len(devices), lnc=lnc, device_kind=kind,
+                       provisional=kind == "NC_v2")
         return probe, None, len(devices)
     other = {"cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(
         backend, "unknown")
@@ -608,6 +615,7 @@ def _probe_neuron_ls(root: str, environ: Mapping[str, str], timeout: float,
     notes.append(Evidence(
         "neuron-ls", f"{len(chips)} devices, nc_count {nc[0]}, memory_size {mem}, LNC {lnc}"))
     return _Probe(family=family, chips=len(chips), cores=sum(nc), lnc=lnc,
+                  provisional=family == "trn1",  # 32 GiB per device: Trn1 or Inf2
                   hbm=mem // nc[0] if nc[0] else None)
 
 
@@ -619,6 +627,9 @@ def _probe_dmi(root: str, notes: list[Evidence]) -> _Probe | None:
         notes.append(Evidence("dmi", "no product_name"))
         return None
     name = product.strip().lower()
+    if vendor is not None and not vendor.lower().startswith("amazon"):
+        notes.append(Evidence("dmi", f"sys_vendor {vendor!r} is not Amazon EC2"))
+        return None
     if name in INSTANCES:
         notes.append(Evidence("dmi", f"product_name {product!r}, sys_vendor {vendor!r}"))
         return _Probe(family=INSTANCES[name].family, instance=INSTANCES[name])
@@ -668,6 +679,23 @@ def detect(
     return spec
 
 
+def looks_like_neuron(*, root: str = "/", environ: Mapping[str, str] | None = None) -> bool:
+    """A cheap guess, for checks that must not probe: True when ``NEURON_REMAT_DEVICE``
+    names a Neuron device, an earlier `detect` found one, or Neuron device nodes or sysfs
+    entries exist. Never raises, never asks JAX or runs ``neuron-ls``."""
+    env = os.environ if environ is None else environ
+    override = env.get(OVERRIDE_ENV, "").strip()
+    if override:
+        try:
+            return parse_device(override, environ=env).is_neuron
+        except ValueError:
+            return False
+    if any(spec.is_neuron for spec in list(_CACHE.values())):
+        return True
+    return bool(glob.glob(os.path.join(root, "dev/neuron[0-9]*")) or glob.glob(
+        os.path.join(root, "sys/devices/virtual/neuron_device/neuron[0-9]*")))
+
+
 def _detect(root: str, env: Mapping[str, str], use_jax: bool, timeout: float) -> DeviceSpec:
     override = env.get(OVERRIDE_ENV, "").strip()
     if override:
@@ -698,7 +726,11 @@ def _detect(root: str, env: Mapping[str, str], use_jax: bool, timeout: float) ->
     if dmi is not None:
         probes.append(("dmi", dmi))
 
-    decided = next(((name, p) for name, p in probes if p.family), None)
+    found = [(name, p) for name, p in probes if p.family]
+    decided = found[0] if found else None
+    if decided is not None and decided[1].provisional:  # Trn1 or Inf2: ask the rest
+        decided = next(((name, p) for name, p in found[1:]
+                        if not p.provisional and p.family in ("trn1", "inf2")), decided)
     if decided is None:
         if jax_probe is not None:  # neuron backend with an unknown device kind
             notes.append(Evidence("default", "Neuron backend of unknown generation"))
@@ -711,7 +743,8 @@ def _detect(root: str, env: Mapping[str, str], use_jax: bool, timeout: float) ->
     source, first = decided
     family = first.family
     assert family is not None
-    # Later evidence fills what earlier evidence left open; it never overrides a family.
+    # Later evidence fills what earlier evidence left open; it never overrides a family
+    # (but for telling Inf2 from Trn1, above).
     instance = next((p.instance for _, p in probes if p.instance and p.instance.family == family), None)
     lnc = next((p.lnc for _, p in probes if p.lnc is not None), None)
     env_lnc = _lnc_from_env(env, family)

@@ -447,7 +447,9 @@ def from_hf_config(cfg: Mapping[str, Any], *, name: str | None = None,
     """A `TransformerConfig` from a Hugging Face style ``config.json`` dict (Llama-like:
     gated SiLU feed-forward, RMS norm). ``config.json`` does not say which attention kernel
     training uses; like the built-in models this assumes a flash-attention kernel, so pass
-    ``flash_attention=False`` for plain attention."""
+    ``flash_attention=False`` for plain attention. Nor does it give the training sequence
+    length (``max_position_embeddings`` is the longest the model supports), so plans need
+    an explicit `StepShape`."""
     required = ("hidden_size", "num_attention_heads", "intermediate_size",
                 "num_hidden_layers", "vocab_size")
     missing = [k for k in required if k not in cfg]
@@ -460,7 +462,6 @@ def from_hf_config(cfg: Mapping[str, Any], *, name: str | None = None,
         ffn=cfg["intermediate_size"], layers=cfg["num_hidden_layers"],
         vocab=cfg["vocab_size"], tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         activation="gelu" if act.startswith("gelu") else "silu",
-        default_seq_len=cfg.get("max_position_embeddings"),
         name=name or str(cfg.get("_name_or_path") or cfg.get("model_type") or "hf-model"),
         source="config.json", flash_attention=True,
     )
@@ -731,7 +732,7 @@ class Footprint(dict):  # dict[str, TagCost]
                  patterns: Mapping[str, str] | None = None,
                  graph: LayerGraph | None = None, roles: Mapping[str, str] | None = None,
                  forward_flops: float = 0.0, no_remat_bytes: int = 0,
-                 workspace_bytes: int = 0, full_recompute_flops: float | None = None) -> None:
+                 full_recompute_flops: float | None = None) -> None:
         super().__init__(tags)
         # Additive footprints: what saving nothing recomputes. None: the sum of the tags'
         # savings (as if every recomputed FLOP belonged to some tag).
@@ -742,7 +743,6 @@ class Footprint(dict):  # dict[str, TagCost]
         self.roles = dict(roles or {})
         self.forward_flops = forward_flops
         self.no_remat_bytes = no_remat_bytes
-        self.workspace_bytes = workspace_bytes
 
     def evaluate(self, saved: Iterable[str]) -> tuple[int, float]:
         """(bytes kept per layer, recompute FLOPs per layer) when `saved` tags are saved."""
@@ -797,10 +797,9 @@ def layer_footprint(config: TransformerConfig, shape: StepShape,
         pat = config.pattern(role)
         assert pat is not None
         patterns[name] = pat
-    workspace = graph.no_remat_bytes()
     return Footprint(tags, always_kept_bytes=full.kept_bytes, patterns=patterns, graph=graph,
                      roles=roles, forward_flops=float(graph.forward_flops()),
-                     no_remat_bytes=graph.no_remat_bytes(), workspace_bytes=workspace)
+                     no_remat_bytes=graph.no_remat_bytes())
 
 
 # --------------------------------------------------------------------------------------
@@ -883,16 +882,18 @@ class Budget:
 
 
 def reserve_bytes(device: DeviceSpec, reserve: float | int | None = None) -> int:
-    """The reserve: a fraction of HBM (``0 <= reserve < 1``), bytes (``reserve >= 1``), or
-    by default 10% plus the Neuron runtime's 96 MB per physical core."""
+    """The reserve: a fraction of HBM (a float in ``[0, 1)``), bytes (an int), or by
+    default 10% plus the Neuron runtime's 96 MB per physical core."""
     hbm = device.hbm_bytes_per_core
     if reserve is None:
         runtime = RUNTIME_BYTES_PER_PHYSICAL_CORE * device.physical_cores_per_core \
             if device.is_neuron and hbm > 4 * GiB else 0  # scaled-down simulations skip it
         return int(DEFAULT_RESERVE_FRACTION * hbm) + runtime
-    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or reserve < 0:
-        raise ValueError(f"reserve={reserve!r}: give a fraction in [0, 1) or bytes >= 1")
-    return int(reserve * hbm) if reserve < 1 else int(reserve)
+    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or reserve < 0 or (
+            isinstance(reserve, float) and reserve >= 1):
+        raise ValueError(f"reserve={reserve!r}: give a fraction of HBM in [0, 1) as a float, "
+                         "or bytes as an int")
+    return int(reserve * hbm) if isinstance(reserve, float) else int(reserve)
 
 
 def head_bytes(config: TransformerConfig, shape: StepShape, parallelism: Parallelism) -> int:
@@ -984,7 +985,7 @@ def traced_footprint(fn: Callable[..., Any], *args: Any,
     `activation_argnums` count as the layer's always-kept input; the others are parameters
     (model state, not activations).
     """
-    from . import _trace  # noqa: PLC0415  (JAX is imported only when measuring)
+    from . import _trace  # noqa: PLC0415  (this module itself does not import JAX)
 
     return _trace.traced_footprint(fn, args, kwargs, activation_argnums=activation_argnums,
                                    only=tags)

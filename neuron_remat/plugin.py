@@ -33,6 +33,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from typing import Any
 
 from . import memory_model as mm
 from . import policies
+from .device import _ENV_KEYS as _DEVICE_ENV
 from .device import DeviceSpec, detect
 
 __all__ = [
@@ -176,18 +178,26 @@ def provide(*, default: Any = None, layer: str | None = None, stack: str = "stac
 
     Returns None off Neuron, for pipelined stacks, when disabled, or when it cannot
     decide (after one warning); else the planned `RegexPolicy` for the model described,
-    or the ``trn2-fuji-70b`` preset when told nothing. Answers are cached per context.
+    or the ``trn2-fuji-70b`` preset when told nothing. `tags` is the host's vocabulary
+    (``"axlearn"``, ``"maxtext"`` or a `TagNames`) or the tag names it emits, which the
+    answer is then checked against. Answers are cached per context.
+
+    A failure here is a deterministic function of the context and the device, so every
+    process of a multi-host job falls back to the host's default alike.
     """
     if _flag(DISABLE_ENV):
         return None
-    env = tuple(os.environ.get(k) for k in (
-        "NEURON_REMAT_DEVICE", "NEURON_LOGICAL_NC_CONFIG", "NEURON_RT_VISIBLE_CORES",
-        "NEURON_RT_NUM_CORES", STRICT_ENV))
-    key = (layer, stack, _freeze(model), _freeze(tags), _freeze(shape),
-           _freeze(parallelism), device, env)
-    with _LOCK:
-        if key in _RESULTS:
-            return _RESULTS[key]
+    try:
+        env = tuple(os.environ.get(k) for k in (*_DEVICE_ENV, STRICT_ENV))
+        key: Any = (layer, stack, _freeze(model), _freeze(tags), _freeze(shape),
+                    _freeze(parallelism), device, env)
+        hash(key)
+    except Exception:  # noqa: BLE001  an odd context is planned, just not cached
+        key = None
+    if key is not None:
+        with _LOCK:
+            if key in _RESULTS:
+                return _RESULTS[key]
     try:
         answer = _provide(layer, stack, model, tags, shape, parallelism, device)
     except Exception as err:  # noqa: BLE001
@@ -197,9 +207,32 @@ def provide(*, default: Any = None, layer: str | None = None, stack: str = "stac
                        "the host's default policy stands", layer or "this layer",
                        type(err).__name__, err)
         answer = None
-    with _LOCK:
-        _RESULTS[key] = answer
+    if key is not None:
+        with _LOCK:
+            _RESULTS[key] = answer
     return answer
+
+
+def _vocabulary(tags: Any) -> tuple[mm.TagNames | None, list[str] | None]:
+    """(the host's tag vocabulary, the tag names it emits), each when known."""
+    if tags is None:
+        return None, None
+    if isinstance(tags, mm.TagNames):
+        return tags, None
+    if tags in ("axlearn", "maxtext"):
+        return {"axlearn": mm.AXLEARN_TAGS, "maxtext": mm.MAXTEXT_TAGS}[tags], None
+    names = [tags] if isinstance(tags, str) else [str(t) for t in tags]
+    return None, names
+
+
+def _check_names(policy: policies.RegexPolicy, names: list[str] | None) -> None:
+    if names is None:
+        return
+    dead = [p for p in policy.save if not any(re.fullmatch(p, n) for n in names)]
+    if dead:
+        raise ValueError(
+            f"patterns {dead} match none of the tags the host emits ({names}); tell the "
+            "provider the host's vocabulary (tags='axlearn', 'maxtext' or a TagNames)")
 
 
 def _provide(layer: str | None, stack: str, model: Any, tags: Any, shape: Any,
@@ -214,24 +247,24 @@ def _provide(layer: str | None, stack: str, model: Any, tags: Any, shape: Any,
                     "leaving it alone", layer or "layer")
         return None
     cse = default_prevent_cse(stack)
+    vocab, names = _vocabulary(tags)
     if model is None:
-        policy = policies.preset("trn2-fuji-70b")
-        if tags is not None:
-            names = [tags] if isinstance(tags, str) else list(tags)
-            if not any(policy.action(t) == "save" for t in names):
-                raise ValueError(f"the trn2-fuji-70b preset matches none of the tags {names}; "
-                                 "describe the model (model=...) so a policy can be planned")
+        policy = policies.trn2_preset(vocab)
+        if names is not None and not any(policy.action(t) == "save" for t in names):
+            raise ValueError(f"the trn2-fuji-70b preset matches none of the tags {names}; "
+                             "describe the model (model=...) so a policy can be planned")
         return RematChoice(policy, cse, reason="no model described: axlearn's TRN2 preset")
-    config = _as_config(model, tags)
+    config = _as_config(model, vocab)
     step = _as_shape(shape, config)
-    par = _as_parallelism(parallelism, device)
+    par = _as_parallelism(parallelism)
     chosen = policies.plan(device, config, step, par)
+    _check_names(chosen.policy, names)
     logger.info("neuron_remat: %s on %s saves %s (%.2f%% recompute)", layer or config.name,
                 device.describe(), list(chosen.saved_tags) or "nothing", 100 * chosen.overhead)
     return RematChoice(chosen.policy, cse, reason=f"planned for {config.name}", plan=chosen)
 
 
-def _as_config(model: Any, tags: Any) -> mm.TransformerConfig:
+def _as_config(model: Any, vocab: mm.TagNames | None = None) -> mm.TransformerConfig:
     if isinstance(model, mm.TransformerConfig):
         config = model
     elif isinstance(model, str):
@@ -241,11 +274,7 @@ def _as_config(model: Any, tags: Any) -> mm.TransformerConfig:
     else:
         raise TypeError(f"model={model!r}: give a TransformerConfig, a built-in model name "
                         f"({', '.join(mm.MODELS)}) or a config.json dict")
-    if isinstance(tags, mm.TagNames):
-        config = dataclasses.replace(config, tags=tags)
-    elif tags == "maxtext":
-        config = dataclasses.replace(config, tags=mm.MAXTEXT_TAGS)
-    return config
+    return config if vocab is None else dataclasses.replace(config, tags=vocab)
 
 
 def _as_shape(shape: Any, config: mm.TransformerConfig) -> mm.StepShape:
@@ -261,16 +290,15 @@ def _as_shape(shape: Any, config: mm.TransformerConfig) -> mm.StepShape:
     raise TypeError(f"shape={shape!r}: give a StepShape or a dict of its fields")
 
 
-def _as_parallelism(par: Any, device: DeviceSpec) -> mm.Parallelism:
+def _as_parallelism(par: Any) -> mm.Parallelism:
+    """The host's split, or by default FSDP over every core of every process (JAX's
+    process count: the provider runs when JAX is already tracing)."""
     if isinstance(par, mm.Parallelism):
         return par
     if par is None:
-        hosts = 1
-        if device.source == "jax":
-            import jax  # noqa: PLC0415
+        import jax  # noqa: PLC0415
 
-            hosts = jax.process_count()
-        return mm.Parallelism(fsdp=-1, hosts=hosts)
+        return mm.Parallelism(fsdp=-1, hosts=jax.process_count())
     if isinstance(par, Mapping):
         return mm.Parallelism(**par)
     raise TypeError(f"parallelism={par!r}: give a Parallelism or a dict of its fields")
@@ -345,6 +373,15 @@ def deferred(default: Any = None, **context: Any) -> DeferredPolicy:
     return DeferredPolicy(items, _hashable(default))
 
 
+def remat_args(stack: str, prevent_cse: bool | None, default: Any,
+               context: Mapping[str, Any]) -> tuple[bool, DeferredPolicy]:
+    """What an adapter passes to its host's remat: ``prevent_cse`` (the stack's usual value
+    unless given) and a `DeferredPolicy` for `context`."""
+    _check_stack(stack)
+    cse = default_prevent_cse(stack) if prevent_cse is None else prevent_cse
+    return cse, deferred(default, stack=stack, **context)
+
+
 def checkpoint(fn: Callable[..., Any], *, default: Any = None, stack: str = "stacked",
                prevent_cse: bool | None = None, static_argnums: int | tuple[int, ...] = (),
                **context: Any) -> Callable[..., Any]:
@@ -352,7 +389,5 @@ def checkpoint(fn: Callable[..., Any], *, default: Any = None, stack: str = "sta
     when first traced), or `default` when none answers."""
     import jax  # noqa: PLC0415
 
-    _check_stack(stack)
-    cse = default_prevent_cse(stack) if prevent_cse is None else prevent_cse
-    policy = deferred(default, stack=stack, **context)
+    cse, policy = remat_args(stack, prevent_cse, default, context)
     return jax.checkpoint(fn, policy=policy, prevent_cse=cse, static_argnums=static_argnums)

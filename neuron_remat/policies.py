@@ -30,7 +30,7 @@ from jax._src.ad_checkpoint import name_p
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 
 from . import memory_model as mm
-from .device import GiB, MiB, DeviceSpec
+from .device import GiB, MiB, DeviceSpec, looks_like_neuron
 
 __all__ = [
     "AuditReport",
@@ -177,7 +177,8 @@ class RegexPolicy:
             ``"pinned_host"``); required when there are offload patterns.
         allow_everything: accept a pattern that matches every tag (``.*``).
         allow_offload_on_neuron: the Neuron compiler does not document host offload, so a
-            policy that offloads is refused on a Neuron host unless this is set.
+            policy that offloads is refused on a Neuron host (`device.looks_like_neuron`:
+            the override, an earlier detection, or Neuron device nodes) unless this is set.
     """
 
     save: tuple[str, ...] = ()
@@ -221,15 +222,11 @@ class RegexPolicy:
                 f"offload patterns {list(self.offload)} need offload_src and offload_dst "
                 f"(e.g. 'device' and 'pinned_host'); got offload_src={self.offload_src!r}, "
                 f"offload_dst={self.offload_dst!r}")
-        if self.offload and not self.allow_offload_on_neuron:
-            from .device import detect  # noqa: PLC0415
-
-            device = detect(use_jax=False)
-            if device.is_neuron:
-                raise ValueError(
-                    f"offload patterns {list(self.offload)} on {device.describe()}: the Neuron "
-                    "compiler does not document host offload; save or recompute instead, or "
-                    "pass allow_offload_on_neuron=True to try it")
+        if self.offload and not self.allow_offload_on_neuron and looks_like_neuron():
+            raise ValueError(
+                f"offload patterns {list(self.offload)} on a Neuron device: the Neuron "
+                "compiler does not document host offload; save or recompute instead, or "
+                "pass allow_offload_on_neuron=True to try it")
 
     # The remat-policy protocol --------------------------------------------------------
 
@@ -373,6 +370,18 @@ PRESETS: Mapping[str, Preset] = _presets(
 )
 
 
+TRN2_ROLES = ("q_proj", "k_proj", "v_proj", "linear1_0", "linear1_1")
+"""The tag roles the ``trn2-fuji-70b`` preset saves, for other tag vocabularies."""
+
+
+def trn2_preset(tags: mm.TagNames | None = None) -> RegexPolicy:
+    """axlearn's TRN2 choice, in the names of `tags` (axlearn's when None)."""
+    if tags is None or tags == mm.AXLEARN_TAGS:
+        return PRESETS["trn2-fuji-70b"].policy
+    patterns = [tags.pattern(r) for r in TRN2_ROLES]
+    return RegexPolicy([p for p in patterns if p is not None])
+
+
 def preset(name: str) -> RegexPolicy:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; valid: {', '.join(PRESETS)}")
@@ -474,9 +483,8 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
     if dead and strict:
         raise DeadPatternError(
             f"patterns {list(dead)} match none of the tags the function emits: {names}")
-    leaf_names = [f"argument {i}" for i in _trace.leaf_argnums(args)]
     wrapped = _trace.checkpointed(fn, policy, prevent_cse)
-    res = _trace.residuals(wrapped, args, kwargs, leaf_names)
+    res = _trace.residuals(wrapped, args, kwargs)
     kept_by_tag: dict[str, int] = {}
     for r in res:
         if r.kind == "tag":
@@ -869,13 +877,15 @@ def _candidates(fp: mm.Footprint, candidates: Iterable[str] | None) -> list[str]
         return list(fp)
     roles = getattr(fp, "roles", {})
     by_role = {r: t for t, r in roles.items()}
-    out = []
+    out: list[str] = []
     for c in candidates:
+        c = c.strip()
         tag = c if c in fp else by_role.get(c)
         if tag is None:
             raise ValueError(f"candidate {c!r} is not a tag of this layer; valid: "
                              f"{sorted(fp)}" + (f" or roles {sorted(by_role)}" if by_role else ""))
-        out.append(tag)
+        if tag not in out:
+            out.append(tag)
     return out
 
 

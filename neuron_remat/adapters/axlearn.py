@@ -10,6 +10,9 @@ it up without new API. Pipelined stacks have their own checkpointing and are lef
 for ``RepeatedTransformerLayer``), as axlearn's ``build_remat_spec`` does.
 
 axlearn is imported only by `remat_spec` and `modify` when they build axlearn configs.
+These helpers resolve the policy when called (detecting the device, which starts JAX's
+backends): call them where the trainer config is built, after
+``jax.distributed.initialize()`` in a multi-host job.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ def remat_settings(stack_class: Any, **context: Any) -> RematSettings | None:
     if not isinstance(policy, RegexPolicy):
         raise TypeError(f"axlearn configs need a regex policy; the provider returned {policy!r}")
     return RematSettings(
-        prevent_cse=kind == "stacked",
+        prevent_cse=choice.prevent_cse,
         policy_kwargs={"names_which_can_be_saved": policy.save_regex,
                        "names_which_can_be_offloaded": policy.offload_regex,
                        "offload_src": policy.offload_src, "offload_dst": policy.offload_dst})

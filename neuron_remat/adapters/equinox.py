@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..plugin import _check_stack, default_prevent_cse, deferred
+from ..plugin import remat_args
 
 __all__ = ["filter_checkpoint"]
 
@@ -17,9 +17,7 @@ def filter_checkpoint(fn: Callable[..., Any] | None = None, *, default: Any = No
     `context`, or `default` when none answers; usable as a decorator."""
     import equinox as eqx  # noqa: PLC0415
 
-    _check_stack(stack)
-    cse = default_prevent_cse(stack) if prevent_cse is None else prevent_cse
-    policy = deferred(default, stack=stack, **context)
+    cse, policy = remat_args(stack, prevent_cse, default, context)
     if fn is None:
         return lambda g: eqx.filter_checkpoint(g, prevent_cse=cse, policy=policy)
     return eqx.filter_checkpoint(fn, prevent_cse=cse, policy=policy)

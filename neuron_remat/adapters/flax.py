@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..plugin import _check_stack, default_prevent_cse, deferred
+from ..plugin import remat_args
 
 __all__ = ["nnx_remat", "remat"]
 
@@ -22,11 +22,9 @@ def remat(target: Any, *, default: Any = None, stack: str = "stacked",
     (``layer=``, ``model=``, ``shape=``, ...), or `default` when none answers."""
     import flax.linen as nn  # noqa: PLC0415
 
-    _check_stack(stack)
-    cse = default_prevent_cse(stack) if prevent_cse is None else prevent_cse
+    cse, policy = remat_args(stack, prevent_cse, default, context)
     return nn.remat(target, variables=variables, rngs=rngs, prevent_cse=cse,
-                    static_argnums=static_argnums, methods=methods,
-                    policy=deferred(default, stack=stack, **context))
+                    static_argnums=static_argnums, methods=methods, policy=policy)
 
 
 def nnx_remat(f: Callable[..., Any] | None = None, *, default: Any = None,
@@ -35,9 +33,7 @@ def nnx_remat(f: Callable[..., Any] | None = None, *, default: Any = None,
     """``flax.nnx.remat(f)`` with the resolved policy; usable as a decorator."""
     from flax import nnx  # noqa: PLC0415
 
-    _check_stack(stack)
-    cse = default_prevent_cse(stack) if prevent_cse is None else prevent_cse
-    policy = deferred(default, stack=stack, **context)
+    cse, policy = remat_args(stack, prevent_cse, default, context)
     if f is None:
         return lambda g: nnx.remat(g, prevent_cse=cse, static_argnums=static_argnums,
                                    policy=policy)

@@ -2,19 +2,26 @@
 
 MaxText reads one key per tensor (``query_proj: device``, ``mlpwi_0: remat``, ...) and saves
 the tags set to ``device``, offloads those set to ``offload`` and recomputes the rest. Its
-config keys are its checkpoint tag names. `BASE_YML_KEYS` is a copy of the per-tensor keys
-of MaxText's ``src/maxtext/configs/base.yml`` (AI-Hypercomputer/maxtext, commit
+config keys are its checkpoint tag names, so each key is set to what the resolved policy
+does with the tag of that name. `BASE_YML_KEYS` is a copy of the per-tensor keys of
+MaxText's ``src/maxtext/configs/base.yml`` (AI-Hypercomputer/maxtext, commit
 e591f30cbbf217ed67ef71263ec0538239f9c3b8, lines 355-382), in its order.
+
+`overrides` resolves the policy when called (detecting the device, which starts JAX's
+backends): call it where the MaxText config is assembled.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Callable
 from typing import Any
+
+from jax._src.ad_checkpoint import name_p
+from jax.ad_checkpoint import Offloadable, Saveable
 
 from .. import memory_model as mm
 from ..plugin import resolve_policy
-from ..policies import Plan, RegexPolicy
+from ..policies import Plan
 
 __all__ = ["ALLOWED_VALUES", "BASE_YML_KEYS", "as_args", "overrides", "overrides_for"]
 
@@ -25,61 +32,44 @@ BASE_YML_KEYS = (
     "mla_kv", "attention_out", "engram",
 )
 ALLOWED_VALUES = ("remat", "device", "offload")
-# The roles axlearn's TRN2 preset saves, for when no model is described.
-_PRESET_ROLES = ("q_proj", "k_proj", "v_proj", "linear1_0", "linear1_1")
 
 
-def _roles_saved(plan: Plan) -> set[str]:
-    config = plan.config
-    if config is None:
-        raise ValueError("the plan has no model description to map onto MaxText keys")
-    return {r for r in config.roles if config.tag(r) in plan.saved_tags}
+def _setting(policy: Callable[..., Any], key: str) -> str:
+    decision = policy(name_p, name=key)
+    if decision is Saveable or decision is True:
+        return "device"
+    return "offload" if isinstance(decision, Offloadable) else "remat"
 
 
-def _keys_for(roles: set[str], *, fused_qkv: bool, gated: bool, flash: bool) -> dict[str, str]:
-    tags = mm.MAXTEXT_TAGS
-    out = {key: "remat" for key in BASE_YML_KEYS}
-    out["decoder_layer_input"] = "device"  # the scan carry: MaxText cannot remat it
-    for role in roles:
-        name = tags.name(role, gated=gated, flash=flash)
-        if name is not None and name in out:
-            out[name] = "device"
-    if fused_qkv and {"q_proj", "k_proj", "v_proj"} <= roles:
+def _overrides(policy: Callable[..., Any], fused_qkv: bool) -> dict[str, str]:
+    keys = {key: _setting(policy, key) for key in BASE_YML_KEYS}
+    keys["decoder_layer_input"] = "device"  # the scan carry: MaxText cannot remat it
+    qkv = ("query_proj", "key_proj", "value_proj")
+    if fused_qkv and all(keys[k] == "device" for k in qkv):
         # With fused_qkv MaxText tags the fused matmul output and the split q, k, v: keep
         # the fused tensor once rather than both.
-        for key in ("query_proj", "key_proj", "value_proj"):
-            out[key] = "remat"
-        out["qkv_proj"] = "device"
-    return out
+        keys.update({k: "remat" for k in qkv}, qkv_proj="device")
+    return {"remat_policy": "custom", **keys}
 
 
 def overrides_for(plan: Plan, *, fused_qkv: bool = False) -> dict[str, str]:
-    """``{"remat_policy": "custom", <key>: remat|device|offload, ...}`` for a `Plan`."""
-    assert plan.config is not None
-    keys = _keys_for(_roles_saved(plan), fused_qkv=fused_qkv, gated=plan.config.gated_ffn,
-                     flash=plan.config.flash_attention)
-    return {"remat_policy": "custom", **keys}
+    """``{"remat_policy": "custom", <key>: remat|device|offload, ...}`` for a `Plan` made
+    with MaxText's tag names (``MAXTEXT_TAGS``)."""
+    if plan.config is not None and plan.config.tags.vocabulary != "maxtext":
+        raise ValueError("plan with MaxText's tag names (tags=MAXTEXT_TAGS) to get MaxText "
+                         f"overrides; this plan uses {plan.config.tags.vocabulary!r} names")
+    return _overrides(plan.policy, fused_qkv)
 
 
-def overrides(*, model: Any = None, fused_qkv: bool = False, stack: str = "repeated",
+def overrides(*, fused_qkv: bool = False, stack: str = "repeated",
               **context: Any) -> dict[str, str] | None:
-    """Resolve the policy for a MaxText decoder (scanned layers by default) and return its
-    overrides, or None when no provider answered (MaxText's own ``remat_policy`` stands).
-    The model is planned with MaxText's tag names."""
-    if model is not None:
-        from ..plugin import _as_config  # noqa: PLC0415
-
-        model = dataclasses.replace(_as_config(model, None), tags=mm.MAXTEXT_TAGS)
-    choice = resolve_policy(model=model, stack=stack, **context)
+    """Resolve the policy for a MaxText decoder (scanned layers by default), in MaxText's
+    tag names, and return its overrides; None when no provider answered (MaxText's own
+    ``remat_policy`` then stands)."""
+    choice = resolve_policy(tags=mm.MAXTEXT_TAGS, stack=stack, **context)
     if choice.provider is None or choice.policy is None:
         return None
-    if choice.plan is not None:
-        return overrides_for(choice.plan, fused_qkv=fused_qkv)
-    policy = choice.policy
-    if not isinstance(policy, RegexPolicy):
-        raise TypeError(f"MaxText overrides need a regex policy; got {policy!r}")
-    keys = _keys_for(set(_PRESET_ROLES), fused_qkv=fused_qkv, gated=True, flash=False)
-    return {"remat_policy": "custom", **keys}
+    return _overrides(choice.policy, fused_qkv)
 
 
 def as_args(values: dict[str, str]) -> list[str]:

@@ -64,3 +64,16 @@ def neuron_ls(bindir: Path, *, output: str | None = None, chips: int = 16, nc: i
                       f"print({output!r})\n")
     script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return bindir
+
+
+def install_providers(root: Path, module: str, source: str, entry_points: dict[str, str]) -> Path:
+    """Lay out a module and its dist-info with ``jax_remat_policy`` entry points under
+    `root`, the way pip leaves an installed distribution; put `root` on sys.path to find
+    them through importlib.metadata."""
+    (root / f"{module}.py").write_text(source)
+    info = root / f"{module}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module}\nVersion: 1.0\n")
+    lines = "".join(f"{name} = {module}:{attr}\n" for name, attr in entry_points.items())
+    (info / "entry_points.txt").write_text(f"[jax_remat_policy]\n{lines}")
+    return root

@@ -5,14 +5,17 @@ JAX, so neither is imported)."""
 import importlib
 import inspect
 import sys
+import textwrap
 from types import SimpleNamespace
 
 import pytest
 
 import neuron_remat as nr
-from neuron_remat import policies
+from neuron_remat import plugin, policies
 from neuron_remat.adapters import axlearn as ax
 from neuron_remat.adapters import maxtext as mt
+
+from fake_hosts import install_providers
 
 # axlearn's stack classes, by name and inheritance (axlearn/common/attention.py).
 BaseStackedTransformerLayer = type("BaseStackedTransformerLayer", (), {})
@@ -162,3 +165,29 @@ def test_maxtext_preset_and_fused_qkv(monkeypatch):
 
 def test_maxtext_off_neuron_has_no_opinion():
     assert mt.overrides(model="llama3-8b") is None
+
+
+def test_maxtext_overrides_follow_another_providers_policy(tmp_path, monkeypatch):
+    install_providers(tmp_path, "out_proj_provider", textwrap.dedent("""
+        from neuron_remat.policies import RegexPolicy
+
+        def provide(**context):
+            return RegexPolicy(["out_proj"], ["query_proj"], offload_src="device",
+                               offload_dst="pinned_host")
+    """), {"aaa_out_proj": "provide"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plugin.clear_cache()
+    try:
+        out = mt.overrides()
+    finally:
+        sys.modules.pop("out_proj_provider", None)
+        plugin.clear_cache()
+    assert {k for k, v in out.items() if v == "device"} == {"decoder_layer_input", "out_proj"}
+    assert {k for k, v in out.items() if v == "offload"} == {"query_proj"}
+
+
+def test_maxtext_overrides_need_a_plan_in_maxtext_names():
+    planned = nr.plan(nr.from_instance_type("trn2.48xlarge"), nr.get_model("llama3-8b"),
+                      nr.StepShape(seq_len=4096), nr.Parallelism(tp=4, fsdp=-1))
+    with pytest.raises(ValueError, match="tags=MAXTEXT_TAGS"):
+        mt.overrides_for(planned)

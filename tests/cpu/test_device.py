@@ -344,3 +344,26 @@ def test_cli_bad_override_is_a_clear_error(monkeypatch, capsys):
     monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn9")
     assert main(["detect"]) == 2
     assert "unknown device 'trn9'" in capsys.readouterr().err
+
+
+# --- Trn1 or Inf2 ----------------------------------------------------------------------
+
+
+def test_a_32_gib_neuron_ls_device_is_inf2_when_sysfs_or_dmi_says_so(tmp_path):
+    dev_nodes(tmp_path, 1)
+    bindir = neuron_ls(tmp_path / "bin", chips=1, nc=2, memory=32 * GiB, lnc=None)
+    alone = dev.detect(root=str(tmp_path), environ=env(PATH=str(bindir)), use_jax=False)
+    assert (alone.family, alone.source) == ("trn1", "neuron-ls")  # nothing else to go on
+    dmi(tmp_path, "inf2.xlarge")
+    spec = dev.detect(root=str(tmp_path), environ=env(PATH=str(bindir)), use_jax=False,
+                      refresh=True)
+    assert (spec.family, spec.instance_type, spec.source, spec.cores) == (
+        "inf2", "inf2.xlarge", "dmi", 2)
+    assert spec.hbm_bytes_per_core == 16 * GiB
+
+
+def test_dmi_from_another_vendor_is_ignored(tmp_path):
+    dmi(tmp_path, "trn2.48xlarge", vendor="QEMU")
+    spec = dev.detect(root=str(tmp_path), environ=env(), use_jax=False)
+    assert spec.family == "cpu"
+    assert "not Amazon EC2" in next(e.found for e in spec.evidence if e.step == "dmi")

@@ -58,8 +58,8 @@ def names_policy(roles):
 def activation_residual_bytes(fn, x, p):
     """What JAX keeps, minus the parameters (model state, not activations)."""
     args = (x, p)
-    res = _trace.residuals(fn, args, None, [f"argument {i}" for i in _trace.leaf_argnums(args)])
-    return sum(r.bytes for r in res if r.kind != "argument" or r.name == "argument 0")
+    res = _trace.residuals(fn, args)
+    return sum(r.bytes for r in res if r.kind != "argument" or r.argnum == 0)
 
 
 # --- bytes -----------------------------------------------------------------------------
@@ -445,6 +445,19 @@ def test_cli_plot_without_matplotlib_says_so(tmp_path):
                               + os.environ.get("PYTHONPATH", "")})
     assert run.returncode == 1
     assert "needs matplotlib" in run.stderr and "regex:" in run.stdout
+
+
+def test_cli_reserve_and_candidates(capsys):
+    assert main(["plan", "--model", "llama3-8b", "--reserve", "1", "--json"]) == 2
+    assert "fraction of HBM below 1" in json.loads(capsys.readouterr().out)["error"]
+    assert main(["plan", "--model", "llama3-8b", "--reserve", "3GiB", "--candidates",
+                 "q_proj, k_proj,q_proj", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["budget"]["reserve_bytes"] == 3 << 30
+    assert set(data["saved_tags"]) <= {"q_proj", "k_proj"}
+    assert {d["tag"]: d["reason"] for d in data["decisions"]}["v_proj"] == "not a candidate"
+    with pytest.raises(ValueError, match="give a fraction of HBM in"):
+        mm.reserve_bytes(nr.from_instance_type("trn2.48xlarge"), 1.0)
 
 
 def test_cli_plan_no_fit_is_exit_1(capsys):

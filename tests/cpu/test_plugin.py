@@ -13,6 +13,8 @@ import neuron_remat as nr
 from neuron_remat import plugin
 from neuron_remat.policies import RegexPolicy, preset
 
+from fake_hosts import install_providers
+
 HOST_DEFAULT = checkpoint_policies.dots_with_no_batch_dims_saveable
 SMALL = nr.TransformerConfig(hidden=256, heads=8, kv_heads=2, ffn=1024, layers=16, vocab=1000,
                              flash_attention=True, name="small")
@@ -82,9 +84,12 @@ def test_hugging_face_dicts_and_model_names_are_accepted(monkeypatch):
           "intermediate_size": 28672, "num_hidden_layers": 80, "vocab_size": 128256,
           "max_position_embeddings": 8192}
     par = {"tp": 4, "sequence_parallel": True, "fsdp": -1, "hosts": 8}
-    by_dict = plugin.provide(model=hf, parallelism=par)
+    shape = {"seq_len": 8192}
+    by_dict = plugin.provide(model=hf, parallelism=par, shape=shape)
     by_name = plugin.provide(model="llama3-70b", parallelism=par)
     assert isinstance(by_dict.policy, RegexPolicy) and by_dict.policy == by_name.policy
+    # config.json gives no training sequence length: without shape= it cannot plan.
+    assert plugin.provide(model=hf, parallelism=par) is None
 
 
 def test_failures_warn_once_and_the_default_stands(monkeypatch, caplog):
@@ -133,6 +138,23 @@ def test_tags_the_preset_does_not_match_fall_back(monkeypatch, caplog):
     assert ok.policy == preset("trn2-fuji-70b")
 
 
+def test_the_host_vocabulary_and_its_tag_names(monkeypatch, caplog):
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2")
+    maxtext = nr.resolve_policy(tags="maxtext").policy
+    assert maxtext.action("query_proj") == "save" and maxtext.action("mlpwi_1") == "save"
+    assert maxtext.action("out_proj") == "recompute"
+    assert nr.resolve_policy(tags="axlearn").policy == preset("trn2-fuji-70b")
+    # A described model planned in axlearn's names, checked against MaxText's tag names:
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", SIM)
+    context = dict(model=SMALL, shape={"seq_len": 2048, "micro_batch": 2}, parallelism={})
+    names = ["decoder_layer_input", "query_proj", "key_proj", "value_proj", "out_proj"]
+    assert nr.resolve_policy(default=HOST_DEFAULT, tags=names, **context).policy is HOST_DEFAULT
+    assert "match none of the tags the host emits" in caplog.text
+    matched = nr.resolve_policy(tags=names + ["context"], **{  # flash: MaxText says context
+        **context, "model": nr.TransformerConfig(**{**SMALL.__dict__, "tags": nr.MAXTEXT_TAGS})})
+    assert matched.provider == "neuron_remat"
+
+
 def test_disable_switch(monkeypatch):
     monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2.48xlarge")
     monkeypatch.setenv("NEURON_REMAT_DISABLE", "1")
@@ -160,9 +182,8 @@ def test_bad_stack_kind_is_a_clear_error():
 
 @pytest.fixture
 def extra_providers(tmp_path, monkeypatch):
-    """Install two more providers the way pip would leave them: a module and a
-    dist-info with entry_points.txt, found by importlib.metadata on sys.path."""
-    (tmp_path / "other_providers.py").write_text(textwrap.dedent("""
+    """Two more providers, installed the way pip would leave them."""
+    install_providers(tmp_path, "other_providers", textwrap.dedent("""
         from jax.ad_checkpoint import checkpoint_policies
 
         def broken(**context):
@@ -170,13 +191,7 @@ def extra_providers(tmp_path, monkeypatch):
 
         def dots(**context):
             return checkpoint_policies.dots_saveable if context.get("layer") == "dots" else None
-    """))
-    info = tmp_path / "other_providers-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: other-providers\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(
-        "[jax_remat_policy]\naaa_broken = other_providers:broken\n"
-        "aab_dots = other_providers:dots\n")
+    """), {"aaa_broken": "broken", "aab_dots": "dots"})
     monkeypatch.syspath_prepend(str(tmp_path))
     plugin.clear_cache()
     yield
