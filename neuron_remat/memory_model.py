@@ -15,6 +15,10 @@ So saving a tag only helps when the backward reads it, or reads something comput
 even when saved, and saving it recomputes nothing less. The norms, softmax and activation
 functions have no tag: under any names policy they are recomputed, never kept.
 
+JAX's ``dots_saveable`` keeps every ``dot_general`` output, the ``seq x seq`` attention scores
+included (`Value.batch_dot` marks them; ``dots_with_no_batch_dims_saveable`` skips them), so
+it is no cheap option for long sequences.
+
 `layer_footprint` reports, per tag, the bytes kept if saved and the FLOPs saved by keeping
 it; `model_state_bytes` the parameters, gradients and optimizer state per core; `budget`
 what is left per layer. `traced_footprint` measures the same per-tag figures from a real

@@ -54,6 +54,16 @@ def test_on_trn2_told_nothing_gives_the_trn2_preset(monkeypatch):
     assert answer.policy == preset("trn2-fuji-70b") and answer.prevent_cse is True
 
 
+@pytest.mark.parametrize("override, answers", [
+    ("trn2.48xlarge", True), ("trn2:lnc=1", True), ("trn1.32xlarge", True),
+    ("inf2.48xlarge", True), ("trn3", True), ("cpu", False)])
+def test_provider_per_device_family(monkeypatch, override, answers):
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", override)
+    choice = nr.resolve_policy(default=HOST_DEFAULT, stack="repeated")
+    assert (choice.provider == "neuron_remat") is answers
+    assert choice.policy == (preset("trn2-fuji-70b") if answers else HOST_DEFAULT)
+
+
 @pytest.mark.parametrize("stack, cse", [("stacked", True), ("repeated", False)])
 def test_prevent_cse_follows_the_stack(monkeypatch, stack, cse):
     monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2")
