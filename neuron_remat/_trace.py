@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src.ad_checkpoint import name_p, saved_residuals
+from jax._src.ad_checkpoint import name_p, saved_residuals, save_only_these_names
 from jax.extend import core as jcore
 
 NAME_PRIMITIVE = str(name_p)
@@ -213,14 +213,6 @@ def checkpointed(fn: Callable[..., Any], policy: Any, prevent_cse: bool = True
     return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
 
 
-@dataclass(frozen=True)
-class _OnlyThese:
-    names: frozenset[str]
-
-    def __call__(self, prim: Any, *_: Any, **params: Any) -> bool:
-        return is_name_primitive(prim) and params["name"] in self.names
-
-
 def traced_footprint(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
                      *, activation_argnums: Sequence[int], only: Sequence[str] | None) -> Any:
     from .memory_model import Footprint, TagCost  # noqa: PLC0415
@@ -231,7 +223,7 @@ def traced_footprint(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[s
         raise ValueError(f"activation_argnums {bad} out of range for {len(args)} arguments")
 
     def kept(policy_names: frozenset[str]) -> tuple[int, dict[str, int]]:
-        res = residuals(checkpointed(fn, _OnlyThese(policy_names)), args, kwargs)
+        res = residuals(checkpointed(fn, save_only_these_names(*policy_names)), args, kwargs)
         by_tag: dict[str, int] = {}
         activation = 0
         for r in res:
@@ -246,7 +238,8 @@ def traced_footprint(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[s
         return activation, by_tag
 
     def cost(policy_names: frozenset[str]) -> int:
-        return linearized_cost(checkpointed(fn, _OnlyThese(policy_names)), args, kwargs).flops
+        policy = save_only_these_names(*policy_names)
+        return linearized_cost(checkpointed(fn, policy), args, kwargs).flops
 
     infos = emitted_tags(fn, args, kwargs)
     if only is not None:
