@@ -11,36 +11,23 @@ Nothing here touches hardware or starts JAX's backends at import time.
 """
 
 from .device import DeviceSpec, detect, from_instance_type, parse_device
-from .memory_model import (
+from ._trace import traced_footprint
+from .audit import AuditReport, audit
+from .memory_model import Budget, Footprint, TagCost, budget, layer_footprint, model_state_bytes
+from .models import (
     AXLEARN_TAGS,
     MAXTEXT_TAGS,
     MODELS,
-    Budget,
-    Footprint,
     Parallelism,
     StepShape,
-    TagCost,
     TagNames,
     TransformerConfig,
-    budget,
     from_hf_config,
     get_model,
-    layer_footprint,
-    model_state_bytes,
-    traced_footprint,
 )
+from .planner import NoFitError, Plan, plan
 from .plugin import RematChoice, checkpoint, provide, resolve_policy
-from .policies import (
-    PRESETS,
-    AuditReport,
-    NoFitError,
-    Plan,
-    RegexPolicy,
-    audit,
-    plan,
-    preset,
-    save_and_offload_only_these_names_regex,
-)
+from .policies import PRESETS, RegexPolicy, preset, save_and_offload_only_these_names_regex
 
 __version__ = "0.1.0"
 

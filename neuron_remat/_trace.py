@@ -1,6 +1,6 @@
 """What JAX itself says about a function: the tags it emits, the residuals a policy keeps,
-and the work its linearized (backward) program does. Shared by `memory_model` (which
-imports it only when measuring, so it needs no JAX itself) and `policies`."""
+and the work its linearized (backward) program does; `traced_footprint` measures a layer's
+per-tag figures from them."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import jax
 import numpy as np
 from jax._src.ad_checkpoint import name_p, saved_residuals, save_only_these_names
 from jax.extend import core as jcore
+
+from .memory_model import Footprint, TagCost
 
 NAME_PRIMITIVE = str(name_p)
 
@@ -213,10 +215,18 @@ def checkpointed(fn: Callable[..., Any], policy: Any, prevent_cse: bool = True
     return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
 
 
-def traced_footprint(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
-                     *, activation_argnums: Sequence[int], only: Sequence[str] | None) -> Any:
-    from .memory_model import Footprint, TagCost  # noqa: PLC0415
+def traced_footprint(fn: Callable[..., Any], *args: Any,
+                     activation_argnums: Sequence[int] = (0,),
+                     tags: Sequence[str] | None = None, **kwargs: Any) -> Footprint:
+    """Per-tag bytes and recompute FLOPs measured from `fn` itself.
 
+    For each tag `fn` emits: the bytes JAX keeps when only that tag is saved, beyond what
+    full remat keeps (from ``jax._src.ad_checkpoint.saved_residuals``), and the FLOPs of
+    the recomputation it avoids (from the linearized program). Arguments in
+    `activation_argnums` count as the layer's always-kept input; the others are parameters
+    (model state, not activations).
+    """
+    only = tags
     acts = set(activation_argnums)
     bad = [i for i in acts if not 0 <= i < len(args)]
     if bad:
@@ -254,7 +264,7 @@ def traced_footprint(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[s
     # activations) included: no save set avoids that part.
     full_recompute = float(max(base_flops - linearized_cost(fn, args, kwargs).flops, 0))
     forward = jaxpr_cost(_closed(fn, args, kwargs).jaxpr).flops
-    tags: dict[str, Any] = {}
+    costs: dict[str, Any] = {}
     for info in infos:
         one = frozenset([info.name])
         b, by_tag = kept(one)
@@ -266,9 +276,9 @@ def traced_footprint(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[s
             note = "an input of the function: kept whatever the policy says"
         elif extra <= 0:
             note = "the backward never reads it: saving it keeps nothing"
-        tags[info.name] = TagCost(
+        costs[info.name] = TagCost(
             bytes=info.bytes * info.count if always else max(extra, 0),
             recompute_flops=float(max(flops, 0)), always_kept=always,
             size_bytes=info.bytes * info.count, shape=info.shape, dtype=info.dtype, note=note)
-    return Footprint(tags, always_kept_bytes=base_bytes, full_recompute_flops=full_recompute,
+    return Footprint(costs, always_kept_bytes=base_bytes, full_recompute_flops=full_recompute,
                      forward_flops=float(forward))

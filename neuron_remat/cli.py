@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import device as dev
+from .audit import audit as run_audit
 from . import memory_model as mm
-from . import policies
+from . import models, planner, policies
 
 __all__ = ["main"]
 
@@ -58,11 +59,11 @@ def _device_for_plan(text: str) -> tuple[dev.DeviceSpec, str | None]:
     return dev.parse_device(text, source="command line"), None
 
 
-def _model(text: str) -> mm.TransformerConfig:
+def _model(text: str) -> models.TransformerConfig:
     if os.path.isfile(text):
         with open(text, encoding="utf-8") as fh:
-            return mm.from_hf_config(json.load(fh), name=os.path.basename(text))
-    return mm.get_model(text)
+            return models.from_hf_config(json.load(fh), name=os.path.basename(text))
+    return models.get_model(text)
 
 
 def _plan_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
@@ -71,7 +72,7 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
     if args.flash_attention is not None:
         changes["flash_attention"] = args.flash_attention
     if args.tags == "maxtext":
-        changes["tags"] = mm.MAXTEXT_TAGS
+        changes["tags"] = models.MAXTEXT_TAGS
     if changes:
         config = dataclasses.replace(config, **changes)
     seq = args.seq_len or config.default_seq_len
@@ -82,11 +83,11 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
         optimizer = float(args.optimizer)
     except ValueError:
         pass
-    shape = mm.StepShape(seq_len=seq, micro_batch=args.micro_batch,
+    shape = models.StepShape(seq_len=seq, micro_batch=args.micro_batch,
                          activation_dtype=args.activation_dtype, param_dtype=args.param_dtype,
                          optimizer=optimizer)
     seq_par = args.tp > 1 if args.sequence_parallel is None else args.sequence_parallel
-    par = mm.Parallelism(tp=args.tp, sequence_parallel=seq_par, fsdp=args.fsdp,
+    par = models.Parallelism(tp=args.tp, sequence_parallel=seq_par, fsdp=args.fsdp,
                          dp=args.dp, pp=args.pp, schedule=args.schedule,
                          microbatches=args.microbatches, zero1=args.zero1, hosts=args.hosts)
     device, note = _device_for_plan(args.device)
@@ -107,8 +108,8 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
 def _cmd_plan(args: argparse.Namespace) -> int:
     config, shape, par, device, note, reserve, candidates = _plan_inputs(args)
     try:
-        chosen = policies.plan(device, config, shape, par, candidates, reserve=reserve)
-    except policies.NoFitError as err:
+        chosen = planner.plan(device, config, shape, par, candidates, reserve=reserve)
+    except planner.NoFitError as err:
         if args.json:
             _print_json({"error": str(err)})
         else:
@@ -133,7 +134,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _maxtext(chosen: policies.Plan) -> dict[str, str] | None:
+def _maxtext(chosen: planner.Plan) -> dict[str, str] | None:
     if chosen.config is None or chosen.config.tags.vocabulary != "maxtext":
         return None
     from .adapters import maxtext  # noqa: PLC0415
@@ -141,7 +142,7 @@ def _maxtext(chosen: policies.Plan) -> dict[str, str] | None:
     return maxtext.overrides_for(chosen)
 
 
-def _plot(chosen: policies.Plan, config: mm.TransformerConfig, shape: mm.StepShape,
+def _plot(chosen: planner.Plan, config: models.TransformerConfig, shape: models.StepShape,
           path: str) -> int:
     try:
         import matplotlib  # noqa: PLC0415
@@ -219,7 +220,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
                                       offload_dst=args.offload_dst if args.offload else None,
                                       allow_offload_on_neuron=args.allow_offload_on_neuron)
     fn, fargs = _load_factory(args.target)
-    report = policies.audit(fn, *fargs, policy=policy)
+    report = run_audit(fn, *fargs, policy=policy)
     if args.json:
         _print_json(report.to_dict())
     else:
@@ -245,7 +246,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
              "ffn": m.ffn, "layers": m.layers, "vocab": m.vocab,
              "params": m.param_count(), "flash_attention": m.flash_attention,
              "default_seq_len": m.default_seq_len, "source": m.source}
-            for m in mm.MODELS.values()]
+            for m in models.MODELS.values()]
     if args.json:
         _print_json(rows)
         return 0

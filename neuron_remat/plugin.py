@@ -39,8 +39,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import memory_model as mm
-from . import policies
+from . import models, planner, policies
 from .device import _ENV_KEYS as _DEVICE_ENV
 from .device import DeviceSpec, detect
 
@@ -76,7 +75,7 @@ class RematChoice:
     prevent_cse: bool
     provider: str | None = None  # None: nobody answered, the host's default stands
     reason: str = ""
-    plan: policies.Plan | None = field(default=None, compare=False, repr=False)
+    plan: planner.Plan | None = field(default=None, compare=False, repr=False)
 
     def __iter__(self) -> Any:
         return iter((self.policy, self.prevent_cse))
@@ -213,14 +212,14 @@ def provide(*, default: Any = None, layer: str | None = None, stack: str = "stac
     return answer
 
 
-def _vocabulary(tags: Any) -> tuple[mm.TagNames | None, list[str] | None]:
+def _vocabulary(tags: Any) -> tuple[models.TagNames | None, list[str] | None]:
     """(the host's tag vocabulary, the tag names it emits), each when known."""
     if tags is None:
         return None, None
-    if isinstance(tags, mm.TagNames):
+    if isinstance(tags, models.TagNames):
         return tags, None
     if tags in ("axlearn", "maxtext"):
-        return {"axlearn": mm.AXLEARN_TAGS, "maxtext": mm.MAXTEXT_TAGS}[tags], None
+        return {"axlearn": models.AXLEARN_TAGS, "maxtext": models.MAXTEXT_TAGS}[tags], None
     names = [tags] if isinstance(tags, str) else [str(t) for t in tags]
     return None, names
 
@@ -257,50 +256,50 @@ def _provide(layer: str | None, stack: str, model: Any, tags: Any, shape: Any,
     config = _as_config(model, vocab)
     step = _as_shape(shape, config)
     par = _as_parallelism(parallelism)
-    chosen = policies.plan(device, config, step, par)
+    chosen = planner.plan(device, config, step, par)
     _check_names(chosen.policy, names)
     logger.info("neuron_remat: %s on %s saves %s (%.2f%% recompute)", layer or config.name,
                 device.describe(), list(chosen.saved_tags) or "nothing", 100 * chosen.overhead)
     return RematChoice(chosen.policy, cse, reason=f"planned for {config.name}", plan=chosen)
 
 
-def _as_config(model: Any, vocab: mm.TagNames | None = None) -> mm.TransformerConfig:
-    if isinstance(model, mm.TransformerConfig):
+def _as_config(model: Any, vocab: models.TagNames | None = None) -> models.TransformerConfig:
+    if isinstance(model, models.TransformerConfig):
         config = model
     elif isinstance(model, str):
-        config = mm.get_model(model)
+        config = models.get_model(model)
     elif isinstance(model, Mapping):
-        config = mm.from_hf_config(model)
+        config = models.from_hf_config(model)
     else:
         raise TypeError(f"model={model!r}: give a TransformerConfig, a built-in model name "
-                        f"({', '.join(mm.MODELS)}) or a config.json dict")
+                        f"({', '.join(models.MODELS)}) or a config.json dict")
     return config if vocab is None else dataclasses.replace(config, tags=vocab)
 
 
-def _as_shape(shape: Any, config: mm.TransformerConfig) -> mm.StepShape:
-    if isinstance(shape, mm.StepShape):
+def _as_shape(shape: Any, config: models.TransformerConfig) -> models.StepShape:
+    if isinstance(shape, models.StepShape):
         return shape
     if shape is None:
         if config.default_seq_len is None:
             raise ValueError(f"shape= not given and {config.name} has no default sequence "
                              "length; pass shape=StepShape(seq_len=..., micro_batch=...)")
-        return mm.StepShape(seq_len=config.default_seq_len)
+        return models.StepShape(seq_len=config.default_seq_len)
     if isinstance(shape, Mapping):
-        return mm.StepShape(**shape)
+        return models.StepShape(**shape)
     raise TypeError(f"shape={shape!r}: give a StepShape or a dict of its fields")
 
 
-def _as_parallelism(par: Any) -> mm.Parallelism:
+def _as_parallelism(par: Any) -> models.Parallelism:
     """The host's split, or by default FSDP over every core of every process (JAX's
     process count: the provider runs when JAX is already tracing)."""
-    if isinstance(par, mm.Parallelism):
+    if isinstance(par, models.Parallelism):
         return par
     if par is None:
         import jax  # noqa: PLC0415
 
-        return mm.Parallelism(fsdp=-1, hosts=jax.process_count())
+        return models.Parallelism(fsdp=-1, hosts=jax.process_count())
     if isinstance(par, Mapping):
-        return mm.Parallelism(**par)
+        return models.Parallelism(**par)
     raise TypeError(f"parallelism={par!r}: give a Parallelism or a dict of its fields")
 
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from .memory_model import TransformerConfig
+from .models import TransformerConfig
 
 __all__ = ["init_layer", "init_stack", "layer", "stack", "tag_names"]
 

@@ -19,9 +19,9 @@ from typing import Any
 from jax._src.ad_checkpoint import name_p
 from jax.ad_checkpoint import Offloadable, Saveable
 
-from .. import memory_model as mm
+from .. import models
+from ..planner import Plan
 from ..plugin import resolve_policy
-from ..policies import Plan
 
 __all__ = ["ALLOWED_VALUES", "BASE_YML_KEYS", "as_args", "overrides", "overrides_for"]
 
@@ -66,7 +66,7 @@ def overrides(*, fused_qkv: bool = False, stack: str = "repeated",
     """Resolve the policy for a MaxText decoder (scanned layers by default), in MaxText's
     tag names, and return its overrides; None when no provider answered (MaxText's own
     ``remat_policy`` then stands)."""
-    choice = resolve_policy(tags=mm.MAXTEXT_TAGS, stack=stack, **context)
+    choice = resolve_policy(tags=models.MAXTEXT_TAGS, stack=stack, **context)
     if choice.provider is None or choice.policy is None:
         return None
     return _overrides(choice.policy, fused_qkv)

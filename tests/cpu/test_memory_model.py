@@ -16,6 +16,7 @@ from jax.ad_checkpoint import checkpoint_policies
 import neuron_remat as nr
 from neuron_remat import _trace
 from neuron_remat import memory_model as mm
+from neuron_remat import models, planner
 from neuron_remat import policies as pol
 from neuron_remat import reference as ref
 from neuron_remat.cli import main
@@ -23,9 +24,9 @@ from neuron_remat.cli import main
 # The test layer: GQA (8 query heads over 2 KV heads), gated SiLU feed-forward, RMS norms,
 # causal softmax, axlearn-style tags. Float32: XLA's CPU backend stores bfloat16 buffers as
 # float32, so compiled sizes only match the model's dtype accounting in float32.
-CFG = mm.TransformerConfig(hidden=128, heads=8, kv_heads=2, ffn=256, layers=4, vocab=512,
+CFG = models.TransformerConfig(hidden=128, heads=8, kv_heads=2, ffn=256, layers=4, vocab=512,
                            name="test-gqa")
-SHAPE = mm.StepShape(seq_len=64, micro_batch=2, activation_dtype="float32")
+SHAPE = models.StepShape(seq_len=64, micro_batch=2, activation_dtype="float32")
 NAMES = ref.tag_names(CFG)  # role -> full tag
 SAVE_SETS = {
     "full": (),
@@ -68,7 +69,7 @@ def activation_residual_bytes(fn, x, p):
 def test_analytic_tag_bytes_equal_traced_bytes_exactly(inputs):
     x, p = inputs
     analytic = mm.layer_footprint(CFG, SHAPE)
-    traced = mm.traced_footprint(one_layer, x, p)
+    traced = nr.traced_footprint(one_layer, x, p)
     assert set(traced) == set(NAMES.values())
     for role, full in NAMES.items():
         a, t = analytic[CFG.tag(role)], traced[full]
@@ -158,9 +159,9 @@ SHARDED = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.ad_checkpoint import checkpoint_policies as cp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from neuron_remat import memory_model as mm, reference as ref
+    from neuron_remat import memory_model as mm, models, reference as ref
 
-    cfg = mm.TransformerConfig(hidden=128, heads=8, kv_heads=4, ffn=256, layers=4, vocab=512)
+    cfg = models.TransformerConfig(hidden=128, heads=8, kv_heads=4, ffn=256, layers=4, vocab=512)
     batch, seq = 4, 64
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
     spec = {"norm1": P(None, None), "norm2": P(None, None),
@@ -199,10 +200,10 @@ def test_sharded_per_device_figures_match_per_core_model():
         {k: v for k, v in sets.items() if v != "none"})], capture_output=True, text=True,
         check=True, env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
     measured = json.loads(run.stdout.strip().splitlines()[-1])
-    cfg = mm.TransformerConfig(hidden=128, heads=8, kv_heads=4, ffn=256, layers=4, vocab=512)
-    graph = mm.layer_graph(cfg, mm.StepShape(seq_len=64, micro_batch=2,
+    cfg = models.TransformerConfig(hidden=128, heads=8, kv_heads=4, ffn=256, layers=4, vocab=512)
+    graph = mm.layer_graph(cfg, models.StepShape(seq_len=64, micro_batch=2,
                                              activation_dtype="float32"),
-                           mm.Parallelism(tp=4, dp=2))
+                           models.Parallelism(tp=4, dp=2))
     for name in ("full", "trn2-fuji-70b", "native-attention"):
         ev = graph.evaluate_roles(SAVE_SETS[name])
         assert measured[name]["slope"] == pytest.approx(ev.kept_bytes, rel=1e-3), name
@@ -216,8 +217,8 @@ def test_sharded_per_device_figures_match_per_core_model():
 
 
 def test_sequence_parallel_splits_what_megatron_splits():
-    par = mm.Parallelism(tp=4, sequence_parallel=True)
-    plain = mm.layer_footprint(CFG, SHAPE, mm.Parallelism(tp=4))
+    par = models.Parallelism(tp=4, sequence_parallel=True)
+    plain = mm.layer_footprint(CFG, SHAPE, models.Parallelism(tp=4))
     split = mm.layer_footprint(CFG, SHAPE, par)
     for tag in ("input", "o_proj"):  # outside the tensor-parallel regions
         assert split[tag].size_bytes * 4 == plain[tag].size_bytes
@@ -238,7 +239,7 @@ def test_planner_is_optimal_by_enumeration():
     full_kept, _ = fp.evaluate(())
     every_kept, _ = fp.evaluate(tags)
     for budget in np.linspace(full_kept, every_kept, 9).astype(int):
-        chosen = pol.plan(footprint=fp, budget_bytes=int(budget), min_flops_per_byte=0)
+        chosen = planner.plan(footprint=fp, budget_bytes=int(budget), min_flops_per_byte=0)
         best = min(fp.evaluate(s)[1] for r in range(len(tags) + 1)
                    for s in itertools.combinations(tags, r) if fp.evaluate(s)[0] <= budget)
         assert chosen.kept_bytes_per_layer <= budget
@@ -251,7 +252,7 @@ def test_branch_and_bound_is_exact_on_a_large_additive_footprint():
             for i, (b, f) in enumerate(zip(rng.integers(1, 100, 16), rng.integers(1, 1000, 16)))}
     tags["in"] = mm.TagCost(bytes=50, recompute_flops=0, always_kept=True)
     for budget in (60, 200, 400, 700):
-        chosen = pol.plan(footprint=tags, budget_bytes=budget, min_flops_per_byte=0)  # B&B
+        chosen = planner.plan(footprint=tags, budget_bytes=budget, min_flops_per_byte=0)  # B&B
         names = [t for t in tags if t != "in"]
         best = max(sum(tags[t].recompute_flops for t in s)
                    for r in range(len(names) + 1) for s in itertools.combinations(names, r)
@@ -264,11 +265,11 @@ def test_cheap_tags_are_never_chosen_over_better_ones():
     tags = {"norm_out": mm.TagCost(bytes=1000, recompute_flops=2500),  # 2.5 FLOP/B
             "q_proj": mm.TagCost(bytes=1000, recompute_flops=200_000),
             "k_proj": mm.TagCost(bytes=400, recompute_flops=80_000)}
-    chosen = pol.plan(footprint=tags, budget_bytes=10_000)
+    chosen = planner.plan(footprint=tags, budget_bytes=10_000)
     assert chosen.saved_tags == ("q_proj", "k_proj")
     reason = next(d.reason for d in chosen.decisions if d.tag == "norm_out")
     assert "cheap to recompute" in reason
-    tight = pol.plan(footprint=tags, budget_bytes=500)
+    tight = planner.plan(footprint=tags, budget_bytes=500)
     assert tight.saved_tags == ("k_proj",)
 
 
@@ -293,7 +294,7 @@ def test_plan_for_a_model_on_trn2():
 
 
 def test_no_fit_names_the_numbers_and_what_to_change():
-    with pytest.raises(pol.NoFitError) as err:
+    with pytest.raises(planner.NoFitError) as err:
         nr.plan(nr.from_instance_type("trn2.48xlarge"), nr.get_model("fuji-70b"),
                 nr.StepShape(seq_len=8192, micro_batch=4), nr.Parallelism(tp=4, fsdp=-1))
     text = str(err.value)
@@ -311,7 +312,7 @@ def test_pipeline_stages_hold_micro_batches_in_flight():
                       nr.Parallelism(tp=8, sequence_parallel=True, fsdp=2, pp=4))
     assert (one.layers_per_core, one.inflight) == (80, 1)
     assert (piped.layers_per_core, piped.inflight) == (20, 4)
-    gpipe = mm.Parallelism(pp=4, schedule="gpipe", microbatches=16)
+    gpipe = models.Parallelism(pp=4, schedule="gpipe", microbatches=16)
     assert gpipe.inflight == 16
 
 
@@ -348,29 +349,29 @@ def test_hugging_face_config_loader():
 
 
 @pytest.mark.parametrize("make, words", [
-    (lambda: mm.TransformerConfig(hidden=100, heads=3, ffn=8, layers=1, vocab=1), ["100", "3"]),
-    (lambda: mm.TransformerConfig(hidden=64, heads=8, kv_heads=3, ffn=8, layers=1, vocab=1),
+    (lambda: models.TransformerConfig(hidden=100, heads=3, ffn=8, layers=1, vocab=1), ["100", "3"]),
+    (lambda: models.TransformerConfig(hidden=64, heads=8, kv_heads=3, ffn=8, layers=1, vocab=1),
      ["kv_heads=3"]),
-    (lambda: mm.TransformerConfig(hidden=64, heads=8, ffn=0, layers=1, vocab=1), ["ffn"]),
-    (lambda: mm.TransformerConfig(hidden=64, heads=8, ffn=8, layers=1, vocab=1, norm="batch"),
+    (lambda: models.TransformerConfig(hidden=64, heads=8, ffn=0, layers=1, vocab=1), ["ffn"]),
+    (lambda: models.TransformerConfig(hidden=64, heads=8, ffn=8, layers=1, vocab=1, norm="batch"),
      ["'batch'", "'rms'"]),
-    (lambda: mm.StepShape(seq_len=0), ["seq_len"]),
-    (lambda: mm.StepShape(seq_len=8, activation_dtype="float12"), ["'float12'", "bfloat16"]),
-    (lambda: mm.StepShape(seq_len=8, optimizer="lion"), ["'lion'", "adamw"]),
-    (lambda: mm.Parallelism(tp=0), ["tp"]),
-    (lambda: mm.Parallelism(schedule="zigzag"), ["'zigzag'", "1f1b"]),
-    (lambda: mm.Parallelism(pp=2, schedule="gpipe"), ["microbatches"]),
-    (lambda: mm.layer_graph(CFG, SHAPE, mm.Parallelism(tp=3)), ["tp=3", "heads=8", "1, 2, 4, 8"]),
-    (lambda: mm.layer_graph(CFG, SHAPE, mm.Parallelism(tp=8, sequence_parallel=True,
+    (lambda: models.StepShape(seq_len=0), ["seq_len"]),
+    (lambda: models.StepShape(seq_len=8, activation_dtype="float12"), ["'float12'", "bfloat16"]),
+    (lambda: models.StepShape(seq_len=8, optimizer="lion"), ["'lion'", "adamw"]),
+    (lambda: models.Parallelism(tp=0), ["tp"]),
+    (lambda: models.Parallelism(schedule="zigzag"), ["'zigzag'", "1f1b"]),
+    (lambda: models.Parallelism(pp=2, schedule="gpipe"), ["microbatches"]),
+    (lambda: mm.layer_graph(CFG, SHAPE, models.Parallelism(tp=3)), ["tp=3", "heads=8", "1, 2, 4, 8"]),
+    (lambda: mm.layer_graph(CFG, SHAPE, models.Parallelism(tp=8, sequence_parallel=True,
                                                        pp=3)), ["pp=3"]),
-    (lambda: mm.Parallelism(tp=4, fsdp=8).resolve(nr.from_instance_type("trn2.48xlarge")),
+    (lambda: models.Parallelism(tp=4, fsdp=8).resolve(nr.from_instance_type("trn2.48xlarge")),
      ["= 32", "64 cores"]),
-    (lambda: mm.Parallelism(tp=3, fsdp=-1).resolve(nr.from_instance_type("trn2.48xlarge")),
+    (lambda: models.Parallelism(tp=3, fsdp=-1).resolve(nr.from_instance_type("trn2.48xlarge")),
      ["tp*dp*pp=3", "64"]),
     (lambda: nr.get_model("gpt-5"), ["'gpt-5'", "fuji-70b"]),
     (lambda: nr.budget(nr.parse_device("cpu"), CFG, SHAPE), ["no HBM figure"]),
-    (lambda: pol.plan(footprint=mm.layer_footprint(CFG, SHAPE)), ["budget_bytes"]),
-    (lambda: pol.plan(footprint=mm.layer_footprint(CFG, SHAPE), budget_bytes=10**9,
+    (lambda: planner.plan(footprint=mm.layer_footprint(CFG, SHAPE)), ["budget_bytes"]),
+    (lambda: planner.plan(footprint=mm.layer_footprint(CFG, SHAPE), budget_bytes=10**9,
                       candidates=["o_projection"]), ["'o_projection'", "q_proj"]),
 ])
 def test_bad_configurations_are_clear_errors(make, words):
@@ -405,9 +406,9 @@ def test_korthikanti_gpt3_layer():
 
 def test_korthikanti_accounting_holds_for_jax_on_a_small_gpt_layer():
     # The same structure (LayerNorm, GeLU, 4h MLP, MHA, causal), small enough to trace.
-    cfg = mm.TransformerConfig(hidden=64, heads=4, ffn=256, layers=1, vocab=10,
+    cfg = models.TransformerConfig(hidden=64, heads=4, ffn=256, layers=1, vocab=10,
                                gated_ffn=False, norm="layer", activation="gelu")
-    shape = mm.StepShape(seq_len=32, micro_batch=2, activation_dtype="float32")
+    shape = models.StepShape(seq_len=32, micro_batch=2, activation_dtype="float32")
     p = ref.init_layer(jax.random.PRNGKey(0), cfg)
     x = jnp.ones((2, 32, 64))
     measured = activation_residual_bytes(lambda x, p: ref.layer(x, p, cfg), x, p)

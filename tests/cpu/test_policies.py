@@ -14,7 +14,8 @@ from jax._src.ad_checkpoint import name_p, saved_residuals
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable, checkpoint_policies
 from jax.extend.core import Primitive
 
-from neuron_remat import memory_model as mm
+from neuron_remat.audit import DeadPatternError, audit
+from neuron_remat import models
 from neuron_remat import policies as pol
 from neuron_remat import reference as ref
 from neuron_remat.cli import main
@@ -22,7 +23,7 @@ from neuron_remat.cli import main
 # A small layer of the shape the presets are for: GQA (8 query heads over 2 KV heads), a
 # gated feed-forward, axlearn-style tags (MultiheadAttention.q_proj, ...,
 # TransformerFeedForwardLayer.linear1_0, ...).
-CFG = mm.TransformerConfig(hidden=32, heads=4, kv_heads=2, ffn=64, layers=2, vocab=50,
+CFG = models.TransformerConfig(hidden=32, heads=4, kv_heads=2, ffn=64, layers=2, vocab=50,
                            name="test-layer")
 NAMES = ref.tag_names(CFG)
 
@@ -91,7 +92,7 @@ def test_audit_finds_the_dead_branches_of_one_long_regex(layer_args):
     x, params = layer_args
     pr_pattern = (r"(TransformerAttentionLayer\.residual_add|.*\.?(k|q|v)_proj"
                   r"|.*\.?linear1_[01]|TransformerFeedForwardLayer\.mlp_residual)")
-    report = pol.audit(layer, x, params, policy=pol.RegexPolicy(pr_pattern))
+    report = audit(layer, x, params, policy=pol.RegexPolicy(pr_pattern))
     assert report.dead_patterns == (r"TransformerAttentionLayer\.residual_add",
                                     r"TransformerFeedForwardLayer\.mlp_residual")
     saved = {t.name for t in report.tags if t.action == "save"}
@@ -230,7 +231,7 @@ def test_native_attention_recomputes_five_fewer_dots(layer_args):
     full = _dots(jax.checkpoint(layer), x, params)
     native = _dots(jax.checkpoint(layer, policy=pol.preset("native-attention")), x, params)
     assert full - native == 5
-    report = pol.audit(layer, x, params, policy=pol.preset("native-attention"))
+    report = audit(layer, x, params, policy=pol.preset("native-attention"))
     assert (report.full_remat_dots, report.recomputed_dots) == (8, 3)
 
 
@@ -271,7 +272,7 @@ def test_audit_finds_dead_patterns_and_overlaps(layer_args):
     x, params = layer_args
     policy = pol.RegexPolicy([r".*[kqv]_proj", r".*q_proj", r".*linear2_[01]",
                               r"TransformerAttentionLayer\.residual_add"])
-    report = pol.audit(layer, x, params, policy=policy)
+    report = audit(layer, x, params, policy=policy)
     assert report.dead_patterns == (r".*linear2_[01]", r"TransformerAttentionLayer\.residual_add")
     assert report.overlaps == (("MultiheadAttention.q_proj", (r".*[kqv]_proj", r".*q_proj")),)
     by_name = {t.name: t for t in report.tags}
@@ -281,13 +282,13 @@ def test_audit_finds_dead_patterns_and_overlaps(layer_args):
     assert q.kept_bytes == q.bytes
     assert by_name["TransformerFeedForwardLayer.linear2"].action == "recompute"
     assert list(by_name) == list(NAMES.values())  # every tag, in program order
-    with pytest.raises(pol.DeadPatternError, match=r"linear2_\[01\]"):
-        pol.audit(layer, x, params, policy=policy, strict=True)
+    with pytest.raises(DeadPatternError, match=r"linear2_\[01\]"):
+        audit(layer, x, params, policy=policy, strict=True)
 
 
 def test_audit_residual_split_and_rendering(layer_args):
     x, params = layer_args
-    report = pol.audit(layer, x, params, policy=pol.preset("trn2-fuji-70b"))
+    report = audit(layer, x, params, policy=pol.preset("trn2-fuji-70b"))
     b, s, h = x.shape
     tags = b * s * (4 * 8 + 2 * 2 * 8 + 2 * 64) * 4  # q, k, v, linear1_0, linear1_1
     assert report.saved_tag_bytes == tags
@@ -306,7 +307,7 @@ def test_audit_counts_tags_inside_scan():
     cfg = CFG
     params = ref.init_stack(jax.random.PRNGKey(0), cfg, 3)
     x = jnp.ones((1, 4, cfg.hidden))
-    report = pol.audit(lambda x, p: ref.stack(x, p, cfg, policy="none"), x, params,
+    report = audit(lambda x, p: ref.stack(x, p, cfg, policy="none"), x, params,
                        policy=pol.preset("qkv-proj"))
     assert {t.count for t in report.tags} == {3}
 

@@ -1,0 +1,135 @@
+"""What a policy does to a real function, according to JAX: the tags it emits, which pattern
+decided each, which patterns match nothing, what JAX keeps and what it recomputes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import _trace
+from ._format import fmt_bytes, grid
+from .policies import RegexPolicy
+
+__all__ = ["AuditReport", "DeadPatternError", "TagAudit", "audit"]
+
+class DeadPatternError(ValueError):
+    """A pattern matched none of the tags the function emits (``audit(strict=True)``)."""
+
+
+@dataclass(frozen=True)
+class TagAudit:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    count: int
+    action: str
+    pattern: str | None  # the pattern that decided (None: recomputed by default)
+    also_matched: tuple[str, ...]
+    kept_bytes: int  # what JAX keeps for this tag under the policy
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """What a policy does to a function, according to JAX."""
+
+    policy: RegexPolicy
+    tags: tuple[TagAudit, ...]
+    dead_patterns: tuple[str, ...]
+    overlaps: tuple[tuple[str, tuple[str, ...]], ...]
+    saved_tag_bytes: int
+    saved_input_bytes: int
+    saved_other_bytes: int
+    other_residuals: tuple[tuple[str, int], ...]
+    recomputed_dots: int
+    full_remat_dots: int
+    recompute_flops: int
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.saved_tag_bytes + self.saved_input_bytes + self.saved_other_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["policy"] = self.policy.to_dict()
+        out["saved_bytes"] = self.saved_bytes
+        return out
+
+    def to_json(self, **kw: Any) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    def table(self) -> str:
+        rows = [("tag", "shape", "dtype", "bytes", "action", "decided by", "kept")]
+        for t in self.tags:
+            rows.append((t.name, "x".join(map(str, t.shape)) or "scalar", t.dtype,
+                         fmt_bytes(t.bytes * t.count), t.action, t.pattern or "-",
+                         fmt_bytes(t.kept_bytes)))
+        lines = grid(rows)
+        lines.append("")
+        lines.append(f"policy: {self.policy!r}")
+        lines.append(
+            f"kept for the backward: {fmt_bytes(self.saved_bytes)} = tags "
+            f"{fmt_bytes(self.saved_tag_bytes)} + inputs {fmt_bytes(self.saved_input_bytes)}"
+            f" + other {fmt_bytes(self.saved_other_bytes)}")
+        lines.append(
+            f"dot_generals recomputed vs no remat: {self.recomputed_dots} "
+            f"(full remat: {self.full_remat_dots}); recompute "
+            f"{self.recompute_flops / 1e9:.4g} GFLOP")
+        for p in self.dead_patterns:
+            lines.append(f"DEAD PATTERN: {p!r} matches no tag this function emits")
+        for tag, pats in self.overlaps:
+            lines.append(f"note: {tag!r} is matched by {len(pats)} patterns: {list(pats)}")
+        return "\n".join(lines)
+
+
+def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[..., Any],
+          strict: bool = False, prevent_cse: bool = True, **kwargs: Any) -> AuditReport:
+    """Trace ``fn(*args, **kwargs)`` under ``jax.checkpoint(fn, policy=policy)`` and report
+    what each tag gets, which patterns are dead, and what JAX keeps and recomputes.
+
+    `fn` is one layer, or a stack of layers without its own ``jax.checkpoint``. With
+    ``strict=True`` a dead pattern raises `DeadPatternError`.
+    """
+    if not isinstance(policy, RegexPolicy):
+        raise TypeError(f"audit needs a RegexPolicy, got {policy!r}; wrap names with "
+                        "RegexPolicy([re.escape(name), ...])")
+    infos = _trace.emitted_tags(fn, args, kwargs)
+    names = [i.name for i in infos]
+    patterns = [*policy.save, *policy.offload]
+    dead = tuple(p for p in patterns if not any(re.fullmatch(p, n) for n in names))
+    if dead and strict:
+        raise DeadPatternError(
+            f"patterns {list(dead)} match none of the tags the function emits: {names}")
+    wrapped = _trace.checkpointed(fn, policy, prevent_cse)
+    res = _trace.residuals(wrapped, args, kwargs)
+    kept_by_tag: dict[str, int] = {}
+    for r in res:
+        if r.kind == "tag":
+            kept_by_tag[r.name] = kept_by_tag.get(r.name, 0) + r.bytes
+    tags = []
+    overlaps = []
+    for info in infos:
+        matched = policy.matching(info.name)
+        action = policy.action(info.name)
+        decider = next((p for kind, p in matched if kind == action), None)
+        if len(matched) > 1:
+            overlaps.append((info.name, tuple(p for _, p in matched)))
+        tags.append(TagAudit(info.name, info.shape, info.dtype, info.bytes, info.count, action,
+                             decider, tuple(p for _, p in matched if p != decider),
+                             kept_by_tag.get(info.name, 0)))
+    cost = _trace.linearized_cost(wrapped, args, kwargs)
+    base = _trace.linearized_cost(fn, args, kwargs)
+    full = _trace.linearized_cost(_trace.checkpointed(fn, None, prevent_cse), args, kwargs)
+    return AuditReport(
+        policy=policy, tags=tuple(tags), dead_patterns=dead, overlaps=tuple(overlaps),
+        saved_tag_bytes=sum(r.bytes for r in res if r.kind == "tag"),
+        saved_input_bytes=sum(r.bytes for r in res if r.kind == "argument"),
+        saved_other_bytes=sum(r.bytes for r in res if r.kind == "other"),
+        other_residuals=tuple((r.name, r.bytes) for r in res if r.kind == "other"),
+        recomputed_dots=cost.dot_generals - base.dot_generals,
+        full_remat_dots=full.dot_generals - base.dot_generals,
+        recompute_flops=cost.flops - base.flops)
