@@ -15,7 +15,7 @@ import numpy as np
 from jax._src.ad_checkpoint import name_p, saved_residuals, save_only_these_names
 from jax.extend import core as jcore
 
-from .memory_model import Footprint, TagCost
+from .graph import Footprint, TagCost
 
 NAME_PRIMITIVE = str(name_p)
 
