@@ -9,20 +9,20 @@ install would be found, and removes it afterwards.
 
 The builders below follow, at that commit:
 
-* ``axlearn/experiments/text/gpt/fuji.py``: ``get_trainer_kwargs`` (7B: lines 396-417 with
-  num_layers=32, hidden_dim=128*32, num_heads=32, shared_lm_head=True; 70B: 681-931 with
+* ``axlearn/experiments/text/gpt/fuji.py``: ``get_trainer_kwargs`` (274; 7B: lines 391-418 with
+  num_layers=32, hidden_dim=128*32, num_heads=32, shared_lm_head=True; 70B: 658-923 with
   num_layers=80, hidden_dim=128*64, num_heads=64, num_kv_heads=8,
   ffn_dim=scaled_hidden_dim(3.5), shared_lm_head=False, mesh fsdp=-1); ``VOCAB_SIZE`` V3 =
   128*1024, ``MAX_SEQUENCE_LENGTH`` V3 = 8192, ``TOKENS_PER_BATCH`` V3 = 16Mi tokens (so
-  2048 sequences); ``model_config`` (1046-1116: ``("nn.silu", "linear")``, ffn 8/3 rounded
+  2048 sequences); ``model_config`` (1025-1103: ``("nn.silu", "linear")``, ffn 8/3 rounded
   to 256 by default, GroupedQueryAttention + FusedGroupedQKVLinear(num_kv_heads) inside
   RoFormerQKVLinear, or FlashAttention when flash, RMSNorm, RepeatedTransformerLayer);
   ``_generate_trn2_custom_configs`` (186-271: StackedTransformerLayer swap, GroupedQKVLinear
   swap at ``...attention.input_linear.input_linear`` for V3, norm input partition specs
   ``(("data", "fsdp"), "model", None)``); the TRN2 mesh rules
-  ``"neuron-(trn2|trn2n).48xlarge-64"`` (7B: 643-656; 70B: 888-920, whose RematSpecModifier
+  ``"neuron-(trn2|trn2n).48xlarge-64"`` (7B: 642-656; 70B: 888-920, whose RematSpecModifier
   comes BEFORE the module swaps and saves ``.*[kqv]_proj|.*linear1_[01]``);
-  ``make_single_host_config`` (1225: global batch // 128 for V3).
+  ``make_single_host_config`` (1211-1235: global batch // 128 for V3).
 * ``axlearn/experiments/text/gpt/common.py``: ``get_trainer_config_fn`` (681-800:
   ``train_dtype = STEP_DTYPE``, ``input.input_dispatcher.global_logical_batch_size``,
   ``mesh_axis_names = MESH_AXIS_NAMES``); ``model_config`` (``update_model_remat_config``:

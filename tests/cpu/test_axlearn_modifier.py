@@ -342,3 +342,62 @@ def test_modify_after_the_mesh_rule_reads_the_config(axlearn, trn2):
     expected = ax.plan_trainer(_launch("7B", None, single_host=True))
     assert _spec(cfg).prevent_cse is True
     assert _policy_kwargs(_spec(cfg)) == expected.settings.policy_kwargs
+
+
+# --- no arguments in a real multi-process job -----------------------------------------------
+
+_JOB = r"""
+import json, os, sys
+import jax
+jax.distributed.initialize(coordinator_address=os.environ["COORD"], num_processes=2,
+                           process_id=int(sys.argv[1]), initialization_timeout=60)
+sys.path.insert(0, os.environ["FIXTURES"])
+import axlearn_fixtures as fx
+from neuron_remat.adapters import axlearn as ax
+with fx.on_path():
+    cfg = fx.fuji("70B", plan=ax.remat_plan_modifier())
+    cfg.input.input_dispatcher.global_logical_batch_size = 32  # a 2-instance job's batch
+    fx.launched(cfg)
+    spec = cfg.model.decoder.transformer.layer.remat_spec
+    d = ax.plan_trainer(cfg).description
+    print(json.dumps({"hosts": jax.process_count(), "fsdp": d.parallelism.fsdp,
+                      "micro_batch": d.shape.micro_batch, "prevent_cse": spec.prevent_cse,
+                      "saved": spec.policy.names_which_can_be_saved}))
+"""
+
+
+def test_fuji_70b_in_a_two_process_job_plans_with_no_arguments(tmp_path):
+    """Two CPU processes joined by jax.distributed on 127.0.0.1, each simulating a
+    trn2.48xlarge: the modifier takes the job size from JAX and both plan alike."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "job.py"
+    script.write_text(_JOB)
+    env = {**os.environ, "COORD": f"127.0.0.1:{port}", "NEURON_REMAT_DEVICE": "trn2.48xlarge",
+           "FIXTURES": str(fx.STUB.parent), "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(i)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert p.returncode == 0, err[-2000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert outs[0] == outs[1]
+    got = outs[0]
+    assert (got["hosts"], got["fsdp"], got["micro_batch"], got["prevent_cse"]) == (2, 32, 1, True)
+    planned = nr.plan(TRN2, nr.get_model("fuji-70b-v3"), nr.StepShape(seq_len=8192),
+                      nr.Parallelism(tp=4, sequence_parallel=True, fsdp=-1, hosts=2))
+    assert got["saved"] == planned.policy.save_regex != PR_898
