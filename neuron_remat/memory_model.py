@@ -121,9 +121,12 @@ def layer_graph(config: TransformerConfig, shape: StepShape,
 
     x = val("x", (t_rep, h), "input")
     n1 = norm("norm1", x)
-    q = matmul("q", n1, (t_full, heads, d), h, "q_proj")
-    k = matmul("k", n1, (t_full, kv, d), h, "k_proj")
-    v = matmul("v", n1, (t_full, kv, d), h, "v_proj")
+    if config.fused_qkv:
+        q, k, v = _fused_qkv(val, matmul, ops, n1, t_full, heads, kv, d, h)
+    else:
+        q = matmul("q", n1, (t_full, heads, d), h, "q_proj")
+        k = matmul("k", n1, (t_full, kv, d), h, "k_proj")
+        v = matmul("v", n1, (t_full, kv, d), h, "v_proj")
     if config.flash_attention:
         lse = b * heads * s * 4
         ctx = val("context", (t_full, heads, d), "context", extra_bytes=lse)
@@ -167,6 +170,19 @@ def layer_graph(config: TransformerConfig, shape: StepShape,
     out = val("out", (t_rep, h))
     ops.append(Op("residual2", (x1, y), out, t_rep * h))
     return LayerGraph(values=values, ops=tuple(ops))
+
+
+def _fused_qkv(val: Any, matmul: Any, ops: list[Op], n1: str, t_full: int, heads: int,
+               kv: int, d: int, h: int) -> tuple[str, str, str]:
+    """One matmul produces q, k and v side by side (untagged); each is sliced out and
+    tagged. A slice costs no FLOPs and its backward reads nothing, so saving one or two
+    slices still recomputes the matmul for the others; only all three avoid it."""
+    qkv = matmul("qkv", n1, (t_full, heads + 2 * kv, d), h, None)
+    out = []
+    for name, role, n in (("q", "q_proj", heads), ("k", "k_proj", kv), ("v", "v_proj", kv)):
+        out.append(val(name, (t_full, n, d), role))
+        ops.append(Op(f"{name}_slice", (qkv,), name, 0))
+    return out[0], out[1], out[2]
 
 
 # --------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from .device import DeviceSpec
 
 __all__ = [
+    "AXLEARN_NEURON_TAGS",
     "AXLEARN_TAGS",
     "MAXTEXT_TAGS",
     "MODELS",
@@ -30,6 +31,7 @@ __all__ = [
     "dtype_bytes",
     "from_hf_config",
     "get_model",
+    "host_tags",
 ]
 
 logger = logging.getLogger(__name__)
@@ -99,7 +101,26 @@ class TagNames:
 
 AXLEARN_TAGS = TagNames()
 """axlearn's names (``BaseLayer._remat_name``: ``f"{type(self).__name__}.{name}"``); its
-flash-attention kernels tag their residuals ``flash_residuals``."""
+GPU and TPU flash-attention kernels tag their residuals ``flash_residuals`` (not the Neuron
+kernel: see `AXLEARN_NEURON_TAGS`)."""
+
+AXLEARN_NEURON_TAGS = TagNames(vocabulary="axlearn-neuron", flash_context=None)
+"""What axlearn's layer emits on a Neuron device (apple/axlearn 34aed43c): its
+``FlashAttention`` layer hands attention to the NKI kernel
+(``flash_attention/neuron_attention.py``, a ``custom_vjp`` with no ``checkpoint_name``) and
+does not tag ``context`` (``flash_attention/layer.py`` ``_compute_attention``); only the GPU
+and TPU kernels tag ``flash_residuals``. So under any names policy the kernel's forward is
+recomputed in the backward. Native attention (``MultiheadAttention``,
+``GroupedQueryAttention``) still tags ``context``."""
+
+
+def host_tags(tags: TagNames, device: DeviceSpec | None) -> TagNames:
+    """The vocabulary the host really emits on `device`: axlearn's names on a Neuron device
+    are `AXLEARN_NEURON_TAGS` (no flash-attention tag); anything else is returned as is."""
+    if device is not None and device.is_neuron and tags == AXLEARN_TAGS:
+        return AXLEARN_NEURON_TAGS
+    return tags
+
 
 MAXTEXT_TAGS = TagNames(
     vocabulary="maxtext", input="decoder_layer_input", q_proj="query_proj",
@@ -130,7 +151,9 @@ class TransformerConfig:
     `kv_heads` defaults to `heads` (multi-head attention) and `head_dim` to
     ``hidden // heads``. `flash_attention` means the attention kernel keeps no
     ``seq x seq`` probabilities: its backward recomputes them from q, k, v, its output and
-    the float32 log-sum-exp.
+    the float32 log-sum-exp. `fused_qkv` means one matmul produces q, k and v together
+    (axlearn's ``FusedQKVLinear``/``FusedGroupedQKVLinear``), which are then sliced out and
+    tagged: saving one slice avoids no matmul, saving all three avoids it.
     """
 
     hidden: int
@@ -150,6 +173,7 @@ class TransformerConfig:
     name: str = "custom"
     source: str = ""
     default_seq_len: int | None = None
+    fused_qkv: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_heads is None:

@@ -18,7 +18,8 @@ from ._format import fmt_bytes, grid
 from .device import DeviceSpec
 from .policies import RegexPolicy
 
-__all__ = ["Choice", "NoFitError", "Plan", "TagDecision", "plan"]
+__all__ = ["Choice", "NoFitError", "Plan", "TagDecision", "dead_patterns", "plan",
+           "refuse_dead_patterns"]
 
 logger = logging.getLogger(__name__)
 
@@ -281,6 +282,9 @@ def plan(
             from .device import detect  # noqa: PLC0415
 
             device = detect()
+        # Plan in the names the host emits on this device (axlearn on Neuron: no
+        # flash-attention tag, so attention is recomputed under any names policy).
+        config = dataclasses.replace(config, tags=models.host_tags(config.tags, device))
         par = (parallelism or models.Parallelism()).resolve(device)
         bud = mm.budget(device, config, shape, par, reserve=reserve)
         fp = mm.layer_footprint(config, shape, par)
@@ -348,6 +352,23 @@ def plan(
         device=device, budget=bud, forward_flops_per_layer=fp.forward_flops,
         config=config, parallelism=par, no_remat_bytes_per_layer=fp.no_remat_bytes,
         notes=tuple(notes))
+
+
+def dead_patterns(policy: RegexPolicy, names: Iterable[str]) -> list[str]:
+    """The save and offload patterns of `policy` that fully match none of `names` (the tag
+    names a host emits): a plan naming them would keep nothing for them."""
+    emitted = list(names)
+    return [p for p in (*policy.save, *policy.offload)
+            if not any(re.fullmatch(p, n) for n in emitted)]
+
+
+def refuse_dead_patterns(policy: RegexPolicy, names: Iterable[str], *,
+                         host: str = "the host") -> None:
+    """Raise ValueError when a pattern of `policy` matches none of the names `host` emits."""
+    emitted = sorted(set(names))
+    dead = dead_patterns(policy, emitted)
+    if dead:
+        raise ValueError(f"patterns {dead} match none of the tags {host} emits ({emitted})")
 
 
 def _as_footprint(mapping: Mapping[str, Any]) -> mm.Footprint:

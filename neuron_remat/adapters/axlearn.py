@@ -1,50 +1,64 @@
-"""axlearn: ``RematSpec`` settings and a trainer-config modifier for
-``model.decoder.transformer.layer``.
+"""axlearn: a mesh-rule modifier that plans ``remat_spec`` from the trainer config, and
+``RematSpec`` helpers for configs built by hand.
 
-axlearn wraps each layer in ``jax.checkpoint`` from its ``remat_spec``
-(``RematSpec(prevent_cse, policy)``), with the policy usually
-``config_for_function(save_and_offload_only_these_names_regex).set(...)``. These helpers
-produce exactly those settings from the resolved plan, so an axlearn trainer config picks
-it up without new API. Pipelined stacks have their own checkpointing and are left alone;
-``prevent_cse`` follows the final stack class (True for ``StackedTransformerLayer``, False
-for ``RepeatedTransformerLayer``), as axlearn's ``build_remat_spec`` does.
+axlearn applies a mesh rule at launch (``select_mesh_config``), after the config function
+ran: the TRN2 rule in ``fuji.py`` sets the mesh, swaps in ``StackedTransformerLayer`` and
+``GroupedQKVLinear`` and, for 70B, sets its own ``remat_spec``. A plan made before that
+sees the wrong stack, the wrong QKV linear and is then overwritten. So the plan is made by
+a ``ConfigModifier`` that goes last in the rule's ``ChainConfigModifier``::
 
-axlearn is imported only by `remat_spec` and `modify` when they build axlearn configs.
-These helpers resolve the policy when called (detecting the device, which starts JAX's
-backends): call them where the trainer config is built, after
-``jax.distributed.initialize()`` in a multi-host job.
+    from neuron_remat.adapters.axlearn import remat_plan_modifier
+
+    ChainConfigModifier.default_config().set(config_modifiers=[
+        MeshShapeModifier.default_config().set(mesh_shape=mesh_shape_from_axes(fsdp=-1, model=4)),
+        *trn2_config.module_modifications,
+        *trn2_config.partition_spec_modifications,
+        remat_plan_modifier(),  # last: sees the final stack, QKV linear and mesh
+    ])
+
+It reads the layer, the batch, the sequence length, the dtypes and the mesh from the
+config (`describe_trainer`), detects the device (or takes ``instance_type``), plans, and
+sets ``model.decoder.transformer.layer.remat_spec`` as axlearn's golden configs spell it:
+``RematSpec(prevent_cse=<stacked?>, policy=config_for_function(
+axlearn.common.utils.save_and_offload_only_these_names_regex).set(...))``. Pipelined
+stacks have their own checkpointing and are left alone; off Neuron the config is left as
+it is. The paths and class names it reads follow apple/axlearn at commit
+34aed43c1b6e581c4753d06d7cbeedd5010ef26b.
+
+axlearn is imported only when a function here builds axlearn objects: `remat_plan_modifier`
+(and the ``RematPlanModifier`` class, built on first use), `remat_spec` and `modify`.
+`plan_trainer` and `describe_trainer` work on any object with axlearn's attribute paths.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import planner
+from ..device import DeviceSpec, detect, from_instance_type
 from ..plugin import resolve_policy
 from ..policies import RegexPolicy
+from ._axlearn_config import (STACK_PATH, ConfigReadError, TrainerDescription,
+                              describe_trainer, stack_kind)
 
-__all__ = ["LAYER_PATH", "POLICY_FN", "RematSettings", "modify", "remat_settings",
-           "remat_spec", "stack_kind"]
+__all__ = ["AXLEARN_COMMIT", "LAYER_PATH", "POLICY_FN", "ConfigReadError", "RematSettings",
+           "TrainerDescription", "TrainerPlan", "describe_trainer", "modify", "plan_trainer",
+           "remat_plan_modifier", "remat_settings", "remat_spec", "stack_kind"]
 
-LAYER_PATH = "model.decoder.transformer.layer"
+logger = logging.getLogger(__name__)
+
+AXLEARN_COMMIT = "34aed43c1b6e581c4753d06d7cbeedd5010ef26b"
+"""The apple/axlearn commit whose config paths, class names and tag names this follows."""
+LAYER_PATH = f"{STACK_PATH}.layer"
 POLICY_FN = "axlearn.common.utils.save_and_offload_only_these_names_regex"
-
-
-def stack_kind(stack_class: Any) -> str:
-    """``stacked``, ``repeated`` or ``pipelined`` for an axlearn stack class (or its name)."""
-    if isinstance(stack_class, str):
-        names = [stack_class.rsplit(".", 1)[-1]]
-    else:
-        names = [c.__name__ for c in getattr(stack_class, "__mro__", (stack_class,))]
-    for kind, marker in (("pipelined", "PipelinedTransformerLayer"),
-                         ("repeated", "RepeatedTransformerLayer"),
-                         ("stacked", "StackedTransformerLayer")):
-        if marker in names:
-            return kind
-    raise ValueError(f"{names[0]!r} is not an axlearn transformer stack; valid: "
-                     "StackedTransformerLayer, RepeatedTransformerLayer, "
-                     "PipelinedTransformerLayer or a subclass")
+_NEED_AXLEARN = (
+    "neuron_remat.adapters.axlearn.{what} needs axlearn, which is not importable here "
+    "({err}); install it from git next to a JAX it supports, e.g. "
+    "`pip install 'axlearn @ git+https://github.com/apple/axlearn'` (the 2024 PyPI release "
+    "pins JAX 0.4.21 and predates the TRN2 mesh rules)")
 
 
 @dataclass(frozen=True)
@@ -62,9 +76,19 @@ class RematSettings:
                 "policy": {"fn": self.policy_fn, **self.policy_kwargs}}
 
 
+def _settings(policy: RegexPolicy, prevent_cse: bool, layer_path: str = LAYER_PATH
+              ) -> RematSettings:
+    return RematSettings(
+        prevent_cse=prevent_cse, layer_path=layer_path,
+        policy_kwargs={"names_which_can_be_saved": policy.save_regex,
+                       "names_which_can_be_offloaded": policy.offload_regex,
+                       "offload_src": policy.offload_src, "offload_dst": policy.offload_dst})
+
+
 def remat_settings(stack_class: Any, **context: Any) -> RematSettings | None:
-    """The settings for the resolved policy, or None when no provider answered (or the
-    stack is pipelined): the config's own remat_spec then stands."""
+    """The settings for the policy the ``jax_remat_policy`` providers resolve for
+    `context`, or None when none answered (or the stack is pipelined): the config's own
+    remat_spec then stands."""
     kind = stack_kind(stack_class)
     if kind == "pipelined":
         return None
@@ -74,11 +98,27 @@ def remat_settings(stack_class: Any, **context: Any) -> RematSettings | None:
     policy = choice.policy
     if not isinstance(policy, RegexPolicy):
         raise TypeError(f"axlearn configs need a regex policy; the provider returned {policy!r}")
-    return RematSettings(
-        prevent_cse=choice.prevent_cse,
-        policy_kwargs={"names_which_can_be_saved": policy.save_regex,
-                       "names_which_can_be_offloaded": policy.offload_regex,
-                       "offload_src": policy.offload_src, "offload_dst": policy.offload_dst})
+    return _settings(policy, choice.prevent_cse)
+
+
+def _axlearn(what: str) -> tuple[Any, Any, Any, Any, Any]:
+    """(ConfigModifier, config_class, config_for_function, RematSpec,
+    save_and_offload_only_these_names_regex) from the importable axlearn."""
+    try:
+        from axlearn.common.base_layer import RematSpec  # noqa: PLC0415
+        from axlearn.common.config import (  # noqa: PLC0415
+            ConfigModifier, config_class, config_for_function)
+        from axlearn.common.utils import save_and_offload_only_these_names_regex  # noqa: PLC0415
+    except ImportError as err:
+        raise ImportError(_NEED_AXLEARN.format(what=what, err=err)) from err
+    return (ConfigModifier, config_class, config_for_function, RematSpec,
+            save_and_offload_only_these_names_regex)
+
+
+def _build_spec(settings: RematSettings, what: str) -> Any:
+    _, _, config_for_function, remat_spec_cls, policy_fn = _axlearn(what)
+    return remat_spec_cls(prevent_cse=settings.prevent_cse,
+                          policy=config_for_function(policy_fn).set(**settings.policy_kwargs))
 
 
 def remat_spec(stack_class: Any, **context: Any) -> Any:
@@ -86,26 +126,209 @@ def remat_spec(stack_class: Any, **context: Any) -> Any:
     settings = remat_settings(stack_class, **context)
     if settings is None:
         return None
-    from axlearn.common.base_layer import RematSpec  # noqa: PLC0415
-    from axlearn.common.config import config_for_function  # noqa: PLC0415
-    from axlearn.common.utils import save_and_offload_only_these_names_regex  # noqa: PLC0415
+    return _build_spec(settings, "remat_spec")
 
-    return RematSpec(
-        prevent_cse=settings.prevent_cse,
-        policy=config_for_function(save_and_offload_only_these_names_regex).set(
-            **settings.policy_kwargs))
+
+# --------------------------------------------------------------------------------------
+# Planning from the trainer config.
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainerPlan:
+    """A plan for an axlearn trainer config: what was read, what was chosen, and the
+    ``remat_spec`` settings that carry it."""
+
+    description: TrainerDescription
+    plan: planner.Plan
+    settings: RematSettings
+
+    def summary(self) -> str:
+        p, d = self.plan, self.description
+        return (f"{d.config.name} ({d.stack_class}, tp={d.parallelism.tp} fsdp="
+                f"{d.parallelism.fsdp} dp={d.parallelism.dp}, micro-batch {d.shape.micro_batch}"
+                f" x {d.shape.seq_len}): saves {list(p.saved_tags) or 'nothing'}, keeps "
+                f"{p.kept_bytes_per_layer / 2**20:.1f} MiB/layer of "
+                f"{p.budget_bytes_per_layer / 2**20:.1f} MiB, recompute "
+                f"{100 * p.overhead:.2f}% of a step, prevent_cse={self.settings.prevent_cse}")
+
+
+def _process_count() -> int:
+    import jax  # noqa: PLC0415  at launch JAX is initialised already
+
+    return jax.process_count()
+
+
+def _device(device: DeviceSpec | None, instance_type: str | None) -> DeviceSpec:
+    if device is not None and instance_type is not None:
+        raise ValueError("give device= or instance_type=, not both")
+    if device is not None:
+        return device
+    if instance_type is not None:
+        return from_instance_type(instance_type)
+    return detect()
+
+
+def _get(cfg: Any, path: str) -> Any:
+    node = cfg
+    for i, key in enumerate(path.split(".")):
+        try:
+            node = getattr(node, key)
+        except AttributeError:
+            raise ConfigReadError(f"trainer config has no "
+                                  f"{'.'.join(path.split('.')[:i + 1])}") from None
+    return node
+
+
+def plan_trainer(trainer_cfg: Any, *, device: DeviceSpec | None = None,
+                 instance_type: str | None = None, hosts: int | None = None,
+                 reserve: float | int | None = None,
+                 stack_path: str = STACK_PATH) -> TrainerPlan | None:
+    """Plan the layer of an axlearn trainer config, read whole from the config.
+
+    The device is `device`, or the instance `instance_type` (``"trn2.48xlarge"``), or
+    detected. `hosts` is the number of processes (default: JAX's process count), which
+    with the device's cores fills a ``-1`` mesh axis. Returns None off Neuron and for
+    pipelined stacks. Raises `ConfigReadError` for a field it cannot read (naming its
+    path), `NoFitError` when even full recompute does not fit, and ValueError when a
+    pattern of the plan matches none of the names the layer emits.
+    """
+    dev = _device(device, instance_type)
+    if not dev.is_neuron:
+        logger.info("neuron_remat: %s is not a Neuron device; remat_spec left as it is",
+                    dev.family)
+        return None
+    kind = stack_kind(_get(trainer_cfg, stack_path).klass)
+    if kind == "pipelined":
+        logger.info("neuron_remat: %s is pipelined and checkpoints itself; left alone",
+                    stack_path)
+        return None
+    if hosts is not None and (isinstance(hosts, bool) or not isinstance(hosts, int)
+                              or hosts < 1):
+        raise ValueError(f"hosts={hosts!r}: give the number of processes, a positive integer")
+    desc = describe_trainer(trainer_cfg, device=dev, hosts=hosts or _process_count(),
+                            stack_path=stack_path)
+    chosen = planner.plan(dev, desc.config, desc.shape, desc.parallelism, reserve=reserve)
+    planner.refuse_dead_patterns(chosen.policy, desc.emitted, host=f"{desc.layer_path}")
+    return TrainerPlan(desc, chosen, _settings(chosen.policy, kind == "stacked",
+                                               desc.layer_path))
+
+
+# --------------------------------------------------------------------------------------
+# The ConfigModifier, built on first use.
+# --------------------------------------------------------------------------------------
+
+_CLASSES: dict[tuple[Any, ...], type] = {}
+
+
+def _modifier_class() -> type:
+    parts = _axlearn("remat_plan_modifier")
+    cls = _CLASSES.get(parts)
+    if cls is None:
+        cls = _CLASSES[parts] = _define_modifier(*parts)
+    return cls
+
+
+def _define_modifier(config_modifier: Any, config_class: Any, config_for_function: Any,
+                     remat_spec_cls: Any, policy_fn: Any) -> type:
+    class RematPlanModifier(config_modifier):  # type: ignore[misc, valid-type]
+        """Plans ``remat_spec`` for the layer of the trainer config it is given (see
+        `neuron_remat.adapters.axlearn`). Put it last in a mesh rule."""
+
+        @config_class
+        class Config(config_modifier.Config):  # type: ignore[misc, name-defined]
+            """Configures RematPlanModifier.
+
+            Attributes:
+                instance_type: plan for this instance (``"trn2.48xlarge"``) rather than
+                    the detected device.
+                hosts: processes in the job; None takes JAX's process count.
+                reserve: HBM held back, a fraction (float) or bytes (int); None: 10% plus
+                    the Neuron runtime's share.
+                strict: raise when the plan cannot be made (an unreadable field, no fit);
+                    False logs one warning and leaves remat_spec as it is.
+                stack_path: the transformer stack in the trainer config.
+            """
+
+            instance_type: str | None = None
+            hosts: int | None = None
+            reserve: float | None = None
+            strict: bool = True
+            stack_path: str = STACK_PATH
+
+        def __call__(self, cfg: Any) -> Any:
+            c = self.config
+            try:
+                result = plan_trainer(cfg, instance_type=c.instance_type, hosts=c.hosts,
+                                      reserve=c.reserve, stack_path=c.stack_path)
+            except Exception as err:
+                if c.strict:
+                    raise
+                logger.warning("neuron_remat: no remat plan (%s: %s); remat_spec left as it "
+                               "is", type(err).__name__, err)
+                return cfg
+            self.last_plan = result
+            if result is None:
+                return cfg
+            layer = _get(cfg, result.settings.layer_path)
+            if getattr(layer, "remat_spec", None) is not None:
+                logger.info("neuron_remat: replacing %s.remat_spec set earlier",
+                            result.settings.layer_path)
+            s = result.settings
+            layer.remat_spec = remat_spec_cls(
+                prevent_cse=s.prevent_cse, policy=config_for_function(policy_fn).set(
+                    **s.policy_kwargs))
+            logger.info("neuron_remat: %s", result.summary())
+            return cfg
+
+    RematPlanModifier.__module__ = __name__
+    RematPlanModifier.__qualname__ = "RematPlanModifier"
+    return RematPlanModifier
+
+
+def remat_plan_modifier(**options: Any) -> Any:
+    """The config of a ``RematPlanModifier``: an axlearn ``ConfigModifier`` that plans
+    ``remat_spec`` from the trainer config it is applied to. Put it LAST in a mesh rule's
+    ``ChainConfigModifier``. `options` are its config fields: ``instance_type``,
+    ``hosts``, ``reserve``, ``strict`` (default True), ``stack_path``. Raises ImportError
+    when axlearn is not importable."""
+    return _modifier_class().default_config().set(**options)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RematPlanModifier":
+        return _modifier_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --------------------------------------------------------------------------------------
+# By hand.
+# --------------------------------------------------------------------------------------
 
 
 def modify(trainer_cfg: Any, *, spec_factory: Callable[..., Any] | None = None,
            **context: Any) -> Any:
-    """Set ``model.decoder.transformer.layer.remat_spec`` from the resolved policy, as
-    axlearn's ``RematSpecModifier`` would, reading the stack class from the config (call it
-    after the modifiers that swap the stack). The config is returned unchanged when the
-    stack is pipelined or no provider answered. `spec_factory(stack_class, **context)`
-    defaults to `remat_spec`."""
-    transformer = trainer_cfg.model.decoder.transformer
-    spec = (spec_factory or remat_spec)(transformer.klass, **context)
+    """Set ``model.decoder.transformer.layer.remat_spec`` from the policy the providers
+    resolve, for configs built by hand. Call it AFTER the mesh rules (in a launcher, after
+    ``select_mesh_config``): it reads the final stack class, and a rule applied later
+    would overwrite the spec; in a mesh rule use `remat_plan_modifier` instead.
+
+    Without ``model=`` in `context`, the model, step and split are read from the config
+    (`describe_trainer`; ``device=`` and ``hosts=`` may be given, else detected and JAX's
+    process count) and the emitted tag names are passed as ``tags``. The config is returned
+    unchanged when the stack is pipelined, the device is not Neuron (when reading), or no
+    provider answered. `spec_factory(stack_class, **context)` defaults to `remat_spec`."""
+    stack = _get(trainer_cfg, STACK_PATH)
+    if "model" not in context:
+        device = context.pop("device", None) or detect()
+        hosts = context.pop("hosts", None)
+        if not device.is_neuron or stack_kind(stack.klass) == "pipelined":
+            return trainer_cfg
+        desc = describe_trainer(trainer_cfg, device=device, hosts=hosts or _process_count())
+        context = {"model": desc.config, "shape": desc.shape, "parallelism": desc.parallelism,
+                   "tags": list(desc.emitted), "device": device, **context}
+    spec = (spec_factory or remat_spec)(stack.klass, **context)
     if spec is None:
         return trainer_cfg
-    transformer.layer.remat_spec = spec
+    stack.layer.remat_spec = spec
     return trainer_cfg

@@ -99,18 +99,29 @@ def test_modify_sets_the_layer_remat_spec_from_the_final_stack_class(monkeypatch
         s = ax.remat_settings(klass, **context)
         return None if s is None else ("RematSpec", s.prevent_cse, s.policy_kwargs)
 
-    cfg = ax.modify(_trainer(StackedTransformerLayer), spec_factory=spec)
+    par = {"tp": 4, "sequence_parallel": True, "fsdp": -1, "hosts": 8}
+    cfg = ax.modify(_trainer(StackedTransformerLayer), spec_factory=spec, model="fuji-70b",
+                    parallelism=par)
     kind, prevent_cse, kwargs = cfg.model.decoder.transformer.layer.remat_spec
+    planned = nr.plan(nr.from_instance_type("trn2.48xlarge"), nr.get_model("fuji-70b"),
+                      nr.StepShape(seq_len=8192), nr.Parallelism(**par))
     assert (kind, prevent_cse) == ("RematSpec", True)
-    assert kwargs["names_which_can_be_saved"] == ".*[kqv]_proj|.*linear1_[01]"
-    piped = ax.modify(_trainer(PipelinedTransformerLayer), spec_factory=spec)
+    assert kwargs["names_which_can_be_saved"] == planned.policy.save_regex
+    piped = ax.modify(_trainer(PipelinedTransformerLayer), spec_factory=spec, model="fuji-70b")
     assert piped.model.decoder.transformer.layer.remat_spec == "host default"
+    # Without model=, modify reads the config (pipelined stacks are left alone before that;
+    # reading a real config is tested in test_axlearn_modifier.py).
+    assert ax.modify(_trainer(PipelinedTransformerLayer)).model.decoder.transformer.layer \
+        .remat_spec == "host default"
+    with pytest.raises(ax.ConfigReadError,
+                       match=r"transformer\.layer\.klass = None: expected a layer class"):
+        ax.modify(_trainer(StackedTransformerLayer), spec_factory=spec)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("axlearn") is not None, reason="axlearn installed")
 def test_remat_spec_needs_axlearn_only_when_called(monkeypatch):
     monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2.48xlarge")
-    with pytest.raises(ModuleNotFoundError, match="axlearn"):
+    with pytest.raises(ImportError, match="remat_spec needs axlearn"):
         ax.remat_spec(StackedTransformerLayer)
     assert ax.remat_spec.__module__ == "neuron_remat.adapters.axlearn"
 

@@ -1,0 +1,32 @@
+"""Stand-in for the norms of axlearn.common.layers (34aed43c): RMSNorm and LayerNorm, with
+the partition-spec fields the TRN2 mesh rule sets."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from axlearn.common.base_layer import BaseLayer
+from axlearn.common.config import config_class
+
+
+class BaseNormalizationLayer(BaseLayer):
+    @config_class
+    class Config(BaseLayer.Config):
+        eps: float = 1e-8
+        forward_dtype: Optional[Any] = None
+        input_partition_spec: Optional[Any] = None
+        output_partition_spec: Optional[Any] = None
+
+
+class RMSNorm(BaseNormalizationLayer):
+    pass
+
+
+class LayerNorm(BaseNormalizationLayer):
+    pass
+
+
+class Linear(BaseLayer):
+    @config_class
+    class Config(BaseLayer.Config):
+        bias: bool = True

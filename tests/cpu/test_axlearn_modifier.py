@@ -1,0 +1,403 @@
+"""The axlearn mesh-rule modifier, against Fuji trainer configs built the way axlearn builds
+them (apple/axlearn 34aed43c) on the stand-in package of axlearn_fixtures, and the
+Neuron-true tag vocabulary and fused-QKV graph it plans with."""
+
+import dataclasses
+import importlib.util
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import neuron_remat as nr
+from neuron_remat import memory_model as mm
+from neuron_remat import models, planner
+from neuron_remat.adapters import axlearn as ax
+from neuron_remat.policies import RegexPolicy
+
+import axlearn_fixtures as fx
+
+LAYER = "model.decoder.transformer.layer"
+PR_898 = ".*[kqv]_proj|.*linear1_[01]"
+AXLEARN_KEYWORDS = ["names_which_can_be_saved", "names_which_can_be_offloaded", "offload_src",
+                    "offload_dst"]
+TRN2 = nr.from_instance_type("trn2.48xlarge")
+
+
+@pytest.fixture
+def axlearn():
+    with fx.on_path():
+        yield
+
+
+@pytest.fixture
+def trn2(monkeypatch):
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2.48xlarge")
+
+
+def _spec(cfg):
+    return cfg.model.decoder.transformer.layer.remat_spec
+
+
+def _policy_kwargs(spec):
+    return {k: getattr(spec.policy, k) for k in AXLEARN_KEYWORDS}
+
+
+def _launch(size, plan, **kw):
+    return fx.launched(fx.fuji(size, plan=plan, **kw))
+
+
+# --- building the modifier ----------------------------------------------------------------
+
+
+@pytest.mark.skipif(importlib.util.find_spec("axlearn") is not None, reason="axlearn installed")
+def test_without_axlearn_the_modifier_says_how_to_install_it():
+    with pytest.raises(ImportError, match=r"remat_plan_modifier needs axlearn.*pip install "
+                                          r"'axlearn @ git\+https://github.com/apple/axlearn'"):
+        ax.remat_plan_modifier()
+    with pytest.raises(ImportError, match="needs axlearn"):
+        ax.RematPlanModifier  # noqa: B018
+
+
+def test_the_modifier_is_a_config_modifier_of_the_axlearn_it_finds(axlearn):
+    from axlearn.common.config import ConfigModifier
+
+    cfg = ax.remat_plan_modifier(instance_type="trn2.48xlarge")
+    assert issubclass(cfg.klass, ConfigModifier)
+    assert cfg.klass is ax.RematPlanModifier
+    assert (cfg.klass.__module__, cfg.klass.__qualname__) == (
+        "neuron_remat.adapters.axlearn", "RematPlanModifier")
+    assert (cfg.instance_type, cfg.hosts, cfg.reserve, cfg.strict, cfg.stack_path) == (
+        "trn2.48xlarge", None, None, True, "model.decoder.transformer")
+    with pytest.raises(AttributeError, match="instnce_type"):
+        ax.remat_plan_modifier(instnce_type="trn2.48xlarge")
+
+
+def test_the_class_is_rebuilt_for_another_axlearn():
+    with fx.on_path():
+        first = ax.RematPlanModifier
+    with fx.on_path():
+        from axlearn.common.config import ConfigModifier
+
+        second = ax.RematPlanModifier
+        assert second is not first and issubclass(second, ConfigModifier)
+
+
+# --- Fuji-70B-v3 on TRN2 ------------------------------------------------------------------
+
+
+def test_fuji_70b_trn2_rule_is_read_after_the_swaps(axlearn, trn2):
+    cfg = _launch("70B", None)
+    desc = ax.describe_trainer(cfg, device=TRN2, hosts=64)
+    builtin = nr.get_model("fuji-70b-v3")
+    for f in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "layers", "vocab", "gated_ffn",
+              "flash_attention", "norm", "activation", "causal", "tie_embeddings"):
+        assert getattr(desc.config, f) == getattr(builtin, f), f
+    assert desc.config.fused_qkv is False  # GroupedQKVLinear swapped in by the rule
+    assert desc.config.tags == models.AXLEARN_NEURON_TAGS
+    assert (desc.stack_kind, desc.stack_class) == ("stacked", "StackedTransformerLayer")
+    assert desc.parallelism == nr.Parallelism(tp=4, sequence_parallel=True, fsdp=1024,
+                                              hosts=64)
+    assert desc.shape == nr.StepShape(seq_len=8192, micro_batch=2)  # 2048 / 1024
+    assert set(desc.emitted) == {
+        "TransformerLayer.input", "FlashAttention.q_proj", "FlashAttention.k_proj",
+        "FlashAttention.v_proj", "FlashAttention.o_proj", "TransformerFeedForwardLayer.linear1_0",
+        "TransformerFeedForwardLayer.linear1_1", "TransformerFeedForwardLayer.linear2"}
+    assert desc.sources["sequence_parallel"] == f"{LAYER}.self_attention.norm.input_partition_spec"
+    assert desc.sources["global_batch"] == "input.input_dispatcher.global_logical_batch_size"
+
+
+def test_fuji_70b_last_in_the_trn2_rule_replaces_the_pr_898_spec(axlearn, trn2):
+    before = _launch("70B", None)
+    assert _spec(before).policy.names_which_can_be_saved == PR_898
+    cfg = _launch("70B", ax.remat_plan_modifier(hosts=64))
+    spec = _spec(cfg)
+    planned = nr.plan(TRN2, nr.get_model("fuji-70b-v3"), nr.StepShape(seq_len=8192,
+                                                                       micro_batch=2),
+                      nr.Parallelism(tp=4, sequence_parallel=True, fsdp=-1, hosts=64))
+    assert spec.prevent_cse is True
+    assert spec.policy.fn.__module__ == "axlearn.common.utils"
+    assert spec.policy.fn.__name__ == "save_and_offload_only_these_names_regex"
+    assert _policy_kwargs(spec) == {"names_which_can_be_saved": planned.policy.save_regex,
+                                    "names_which_can_be_offloaded": None, "offload_src": None,
+                                    "offload_dst": None}
+    saved = planned.policy.save_regex
+    assert saved != PR_898 and "flash_residuals" not in saved and "context" not in saved
+    # The config's policy, instantiated as axlearn would, keeps exactly the planned tags.
+    policy = spec.policy.instantiate()
+    desc = ax.describe_trainer(cfg, device=TRN2, hosts=64)
+    kept = {n.split(".")[1] for n in desc.emitted if policy.action(n) == "save"}
+    assert kept == set(planned.saved_tags)
+
+
+def test_fuji_70b_on_one_host_does_not_fit_and_says_so(axlearn, trn2):
+    with pytest.raises(nr.NoFitError, match="To fit: .*shard the model state further"):
+        _launch("70B", ax.remat_plan_modifier())  # hosts: JAX's process count, 1
+
+
+def test_not_strict_keeps_the_rules_spec_and_warns_once(axlearn, trn2, caplog):
+    with caplog.at_level(logging.WARNING, logger="neuron_remat"):
+        cfg = _launch("70B", ax.remat_plan_modifier(strict=False))
+    assert _spec(cfg).policy.names_which_can_be_saved == PR_898
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "NoFitError" in warnings[0].getMessage()
+
+
+# --- Fuji-7B ------------------------------------------------------------------------------
+
+
+def test_fuji_7b_single_host_plans_with_no_arguments(axlearn, trn2):
+    cfg = fx.fuji("7B", single_host=True)
+    assert _spec(cfg).prevent_cse is False  # the base config's spec, for a scanned stack
+    modifier = ax.remat_plan_modifier().instantiate()
+    fx.launched(cfg)  # the TRN2 rule: StackedTransformerLayer, GroupedQKVLinear, mesh
+    out = modifier(cfg)
+    result = modifier.last_plan
+    assert out is cfg and result.description.stack_class == "StackedTransformerLayer"
+    assert _spec(cfg).prevent_cse is True  # follows the final class
+    assert result.description.parallelism.hosts == jax.process_count() == 1
+    assert result.description.shape == nr.StepShape(seq_len=8192, micro_batch=1)
+    assert _spec(cfg).policy.names_which_can_be_saved == result.plan.policy.save_regex
+    planned = nr.plan(TRN2, nr.get_model("fuji-7b-v3"), nr.StepShape(seq_len=8192),
+                      nr.Parallelism(tp=4, sequence_parallel=True, fsdp=-1))
+    assert result.plan.saved_tags == planned.saved_tags
+    assert result.plan.kept_bytes_per_layer == planned.kept_bytes_per_layer
+
+
+def _base_7b_with_own_rule(plan):
+    """Base Fuji-7B-v3 (RepeatedTransformerLayer, FusedGroupedQKVLinear) under a user's TRN2
+    rule that only sets the mesh."""
+    from axlearn.common.trainer_config_modifier import ChainConfigModifier, MeshShapeModifier
+    from axlearn.experiments.text.gpt.common import mesh_shape_from_axes
+
+    cfg = fx.fuji("7B", single_host=True)
+    cfg.mesh_rules = ((fx.TRN2_SELECTOR, ChainConfigModifier.default_config().set(
+        config_modifiers=[MeshShapeModifier.default_config().set(
+            mesh_shape=mesh_shape_from_axes(fsdp=-1, model=4)), plan])),)
+    return fx.launched(cfg)
+
+
+def test_base_fuji_7b_with_fused_qkv(axlearn, trn2):
+    cfg = _base_7b_with_own_rule(ax.remat_plan_modifier())
+    result = ax.plan_trainer(cfg)
+    desc = result.description
+    assert desc.config.fused_qkv is True and desc.stack_kind == "repeated"
+    assert desc.config.kv_heads == 8 and desc.config.ffn == 11008
+    assert desc.parallelism.sequence_parallel is False  # no partition-spec rule
+    assert _spec(cfg).prevent_cse is False
+    assert _spec(cfg).policy.names_which_can_be_saved == result.plan.policy.save_regex
+    qkv = {"q_proj", "k_proj", "v_proj"} & set(result.plan.saved_tags)
+    assert qkv in (set(), {"q_proj", "k_proj", "v_proj"})  # a slice alone avoids nothing
+
+
+# --- fused QKV: one matmul, three tags ----------------------------------------------------
+
+
+def test_fused_qkv_graph_one_matmul_three_slices():
+    config = dataclasses.replace(nr.get_model("fuji-7b-v3"), fused_qkv=True,
+                                 tags=models.AXLEARN_NEURON_TAGS)
+    shape, par = nr.StepShape(seq_len=4096), nr.Parallelism(tp=4)
+    graph = mm.layer_graph(config, shape, par)
+    full = graph.evaluate_roles(())
+    t, h, d = 4096, 4096, 128
+    matmul = 2 * t * h * (32 // 4 + 2 * (8 // 4)) * d
+    for some in (("q_proj",), ("k_proj",), ("q_proj", "k_proj"), ("k_proj", "v_proj")):
+        assert graph.evaluate_roles(some).recompute_flops == full.recompute_flops, some
+    all3 = graph.evaluate_roles(("q_proj", "k_proj", "v_proj"))
+    assert full.recompute_flops - all3.recompute_flops == matmul
+    assert "qkv_matmul" in full.recomputed and "qkv_matmul" not in all3.recomputed
+    fp = mm.layer_footprint(config, shape, par)
+    assert fp["q_proj"].recompute_flops == 0 and fp["q_proj"].bytes == t * 8 * d * 2
+    separate = mm.layer_graph(dataclasses.replace(config, fused_qkv=False), shape, par)
+    assert separate.forward_flops() == graph.forward_flops()
+
+
+def _fused_layer(w):
+    def layer(x):
+        qkv = x @ w  # one matmul
+        q, k, v = jnp.split(qkv, 3, axis=-1)
+        q = jax.ad_checkpoint.checkpoint_name(q, "FusedLayer.q_proj")
+        k = jax.ad_checkpoint.checkpoint_name(k, "FusedLayer.k_proj")
+        v = jax.ad_checkpoint.checkpoint_name(v, "FusedLayer.v_proj")
+        return jnp.sum(jnp.tanh(q) * jnp.tanh(k) * jnp.tanh(v))
+    return layer
+
+
+@pytest.mark.parametrize("saved, recomputes_matmul", [
+    ([], True), ([".*q_proj"], True), ([".*q_proj", ".*k_proj"], True),
+    ([".*[qkv]_proj"], False)])
+def test_fused_qkv_matches_what_jax_recomputes(saved, recomputes_matmul):
+    """dot_generals in JAX's linearized program (as axlearn's tests count them): the fused
+    matmul is redone in the backward unless all three slices are saved, as the graph says."""
+    x = jnp.ones((64, 32), jnp.float32)
+    w = jnp.ones((32, 3 * 16), jnp.float32)
+    layer = jax.checkpoint(lambda x, w: _fused_layer(w)(x), policy=RegexPolicy(saved))
+    _, linear = jax.linearize(layer, x, w)
+    plain = jax.linearize(lambda x, w: _fused_layer(w)(x), x, w)[1]
+    extra = str(linear).count(" dot_general") - str(plain).count(" dot_general")
+    assert extra == (1 if recomputes_matmul else 0)
+
+
+# --- Neuron-true vocabulary ---------------------------------------------------------------
+
+
+def test_on_neuron_axlearn_emits_no_flash_tag_and_attention_is_recomputed():
+    assert models.host_tags(models.AXLEARN_TAGS, TRN2) is models.AXLEARN_NEURON_TAGS
+    assert models.host_tags(models.AXLEARN_TAGS, nr.parse_device("cpu")) is models.AXLEARN_TAGS
+    assert models.host_tags(models.MAXTEXT_TAGS, TRN2) is models.MAXTEXT_TAGS
+    flash = dataclasses.replace(nr.get_model("fuji-70b"), tags=models.AXLEARN_NEURON_TAGS)
+    native = dataclasses.replace(flash, flash_attention=False)
+    assert "context" not in flash.roles and "context" in native.roles
+    shape, par = nr.StepShape(seq_len=8192), nr.Parallelism(tp=4, sequence_parallel=True)
+    graph = mm.layer_graph(flash, shape, par)
+    every = graph.evaluate_roles(flash.roles)
+    assert "flash_attention" in every.recomputed
+    attn = next(op.flops for op in graph.ops if op.name == "flash_attention")
+    assert every.recompute_flops >= attn > 0
+
+
+def test_built_in_trn2_plans_name_no_tag_neuron_never_emits():
+    for name in ("fuji-7b", "fuji-70b", "llama3-70b"):
+        planned = nr.plan(TRN2, nr.get_model(name), nr.StepShape(seq_len=8192),
+                          nr.Parallelism(tp=4, sequence_parallel=True, fsdp=-1, hosts=8))
+        assert planned.config.tags == models.AXLEARN_NEURON_TAGS
+        assert not re.search("flash_residuals|context", planned.policy.save_regex or "")
+        assert {d.tag for d in planned.decisions}.isdisjoint({"flash_residuals", "context"})
+    # Off Neuron the GPU/TPU vocabulary stands.
+    fp = mm.layer_footprint(nr.get_model("fuji-70b"), nr.StepShape(seq_len=8192),
+                            nr.Parallelism(tp=4))
+    assert "flash_residuals" in fp
+
+
+def test_dead_patterns_are_refused_where_the_names_are_known():
+    emitted = ["FlashAttention.q_proj", "FlashAttention.k_proj", "TransformerLayer.input"]
+    policy = RegexPolicy([".*q_proj", ".*flash_residuals"], [".*context"],
+                         offload_src="device", offload_dst="pinned_host")
+    assert planner.dead_patterns(policy, emitted) == [".*flash_residuals", ".*context"]
+    with pytest.raises(ValueError, match=r"\['\.\*flash_residuals', '\.\*context'\] match none "
+                                         r"of the tags model.decoder.transformer.layer emits"):
+        planner.refuse_dead_patterns(policy, emitted, host=LAYER)
+    planner.refuse_dead_patterns(RegexPolicy([".*[kq]_proj"]), emitted)
+
+
+# --- what stays alone, and errors ---------------------------------------------------------
+
+
+def test_off_neuron_and_pipelined_stacks_are_left_alone(axlearn, monkeypatch):
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "cpu")
+    cfg = _launch("70B", ax.remat_plan_modifier(hosts=64))
+    assert _spec(cfg).policy.names_which_can_be_saved == PR_898
+    # An explicit instance type plans on any machine.
+    cfg = _launch("70B", ax.remat_plan_modifier(hosts=64, instance_type="trn2.48xlarge"))
+    assert _spec(cfg).policy.names_which_can_be_saved != PR_898
+
+    from axlearn.common.attention import PipelinedTransformerLayer
+
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2.48xlarge")
+    cfg = fx.fuji("70B")
+    stack = cfg.model.decoder.transformer
+    cfg.model.decoder.transformer = PipelinedTransformerLayer.default_config().set(
+        num_layers=80, num_stages=4, layer=stack.layer)
+    before = _spec(cfg)
+    assert ax.plan_trainer(cfg, hosts=64) is None
+    out = ax.remat_plan_modifier(hosts=64).instantiate()(cfg)
+    assert _spec(out) is before
+
+
+@pytest.mark.parametrize("edit, path", [
+    (lambda c: setattr(c.input.input_dispatcher, "global_logical_batch_size", 0),
+     "input.input_dispatcher.global_logical_batch_size"),
+    (lambda c: setattr(c.model.decoder.transformer.layer.feed_forward, "activation", "nn.relu"),
+     f"{LAYER}.feed_forward.activation"),
+    (lambda c: setattr(c.model.decoder, "dim", None), "model.decoder.dim"),
+    (lambda c: setattr(c.model.decoder.transformer.layer.self_attention.attention.input_linear
+                       .input_linear, "num_kv_heads", None),
+     f"{LAYER}.self_attention.attention.input_linear.input_linear.num_kv_heads"),
+    (lambda c: setattr(c, "mesh_shape", None), "mesh_shape"),
+])
+def test_an_unreadable_field_is_an_error_naming_its_path(axlearn, trn2, edit, path):
+    cfg = _launch("70B", None)
+    edit(cfg)
+    with pytest.raises(ax.ConfigReadError, match=re.escape(path)):
+        ax.plan_trainer(cfg, hosts=64)
+
+
+def test_a_required_field_left_unset_is_named(axlearn, trn2):
+    from axlearn.common.config import REQUIRED
+
+    cfg = _launch("70B", None)
+    cfg.model.decoder.transformer.layer.self_attention.attention.num_heads = REQUIRED
+    with pytest.raises(ax.ConfigReadError, match=r"self_attention\.attention\.num_heads is not "
+                                                 r"set \(REQUIRED\)"):
+        ax.plan_trainer(cfg, hosts=64)
+
+
+# --- modify(), for configs built by hand ----------------------------------------------------
+
+
+def test_modify_after_the_mesh_rule_reads_the_config(axlearn, trn2):
+    cfg = ax.modify(_launch("7B", None, single_host=True))
+    expected = ax.plan_trainer(_launch("7B", None, single_host=True))
+    assert _spec(cfg).prevent_cse is True
+    assert _policy_kwargs(_spec(cfg)) == expected.settings.policy_kwargs
+
+
+# --- no arguments in a real multi-process job -----------------------------------------------
+
+_JOB = r"""
+import json, os, sys
+import jax
+jax.distributed.initialize(coordinator_address=os.environ["COORD"], num_processes=2,
+                           process_id=int(sys.argv[1]), initialization_timeout=60)
+sys.path.insert(0, os.environ["FIXTURES"])
+import axlearn_fixtures as fx
+from neuron_remat.adapters import axlearn as ax
+with fx.on_path():
+    cfg = fx.fuji("70B", plan=ax.remat_plan_modifier())
+    cfg.input.input_dispatcher.global_logical_batch_size = 32  # a 2-instance job's batch
+    fx.launched(cfg)
+    spec = cfg.model.decoder.transformer.layer.remat_spec
+    d = ax.plan_trainer(cfg).description
+    print(json.dumps({"hosts": jax.process_count(), "fsdp": d.parallelism.fsdp,
+                      "micro_batch": d.shape.micro_batch, "prevent_cse": spec.prevent_cse,
+                      "saved": spec.policy.names_which_can_be_saved}))
+"""
+
+
+def test_fuji_70b_in_a_two_process_job_plans_with_no_arguments(tmp_path):
+    """Two CPU processes joined by jax.distributed on 127.0.0.1, each simulating a
+    trn2.48xlarge: the modifier takes the job size from JAX and both plan alike."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "job.py"
+    script.write_text(_JOB)
+    env = {**os.environ, "COORD": f"127.0.0.1:{port}", "NEURON_REMAT_DEVICE": "trn2.48xlarge",
+           "FIXTURES": str(fx.STUB.parent), "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(i)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert p.returncode == 0, err[-2000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    assert outs[0] == outs[1]
+    got = outs[0]
+    assert (got["hosts"], got["fsdp"], got["micro_batch"], got["prevent_cse"]) == (2, 32, 1, True)
+    planned = nr.plan(TRN2, nr.get_model("fuji-70b-v3"), nr.StepShape(seq_len=8192),
+                      nr.Parallelism(tp=4, sequence_parallel=True, fsdp=-1, hosts=2))
+    assert got["saved"] == planned.policy.save_regex != PR_898
