@@ -34,6 +34,8 @@ def _print_json(obj: Any) -> None:
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL = 3
 _MAX_COUNT = models._MAX_SIZE
+_JSON_KINDS = {type(None): "null", list: "array", str: "string", int: "number", float: "number",
+               bool: "boolean"}
 _CONFIG_MAX_BYTES = 16 << 20  # a config.json is a few KiB; refuse to read a data file
 
 
@@ -174,7 +176,7 @@ def _model(text: str) -> models.TransformerConfig:
             raise UsageError(f"--model {text!r} nests JSON too deeply to be a config.json") \
                 from None
         if not isinstance(data, dict):
-            raise UsageError(f"--model {text!r} holds a JSON {type(data).__name__}, not an "
+            raise UsageError(f"--model {text!r} holds a JSON {_JSON_KINDS.get(type(data), 'value')}, not an "
                              "object; give a Hugging Face config.json")
         try:
             return models.from_hf_config(data, name=os.path.basename(text))
