@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import numbers
 import re
 from collections.abc import Mapping
@@ -242,7 +241,7 @@ class StepShape:
                     f"optimizer={opt!r} is not known; valid: "
                     f"{', '.join(_OPTIMIZERS)}, or optimizer-state bytes per parameter")
         elif (isinstance(opt, bool) or not isinstance(opt, numbers.Real)
-              or not math.isfinite(float(opt)) or not 0 <= float(opt) <= _MAX_OPT_BYTES):
+              or not 0 <= opt <= _MAX_OPT_BYTES):  # NaN fails the comparison too
             raise ValueError(
                 f"optimizer={opt!r}: give 'adamw', 'sgd' or optimizer-state bytes per "
                 f"parameter, a finite number from 0 to {_MAX_OPT_BYTES}")
