@@ -217,7 +217,24 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
     return config, shape, par, device, note, reserve, candidates
 
 
+_PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def _check_plot_path(path: str) -> None:
+    """Refuse a --plot path that cannot be written, before planning."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.splitext(path)[1].lower() not in _PLOT_FORMATS:
+        raise UsageError(f"--plot {path!r}: the name must end in one of "
+                         f"{', '.join(_PLOT_FORMATS)}")
+    if not os.path.isdir(folder):
+        raise UsageError(f"--plot {path!r}: folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"--plot {path!r}: folder {folder!r} is not writable")
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.plot:
+        _check_plot_path(args.plot)
     config, shape, par, device, note, reserve, candidates = _plan_inputs(args)
     try:
         chosen = planner.plan(device, config, shape, par, candidates, reserve=reserve)
@@ -458,7 +475,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--policy", choices=list(policies.PRESETS), help="a preset")
     a.add_argument("--save", nargs="+", metavar="PATTERN", help="save patterns")
     a.add_argument("--offload", nargs="+", metavar="PATTERN", help="offload patterns")
-    a.add_argument("--offload-dst", default="pinned_host")
+    a.add_argument("--offload-dst", default="pinned_host",
+                   choices=["pinned_host", "unpinned_host"],
+                   help="memory kind for offloaded tags (default pinned_host)")
     a.add_argument("--allow-offload-on-neuron", action="store_true",
                    help="offload even on a Neuron device (not documented by its compiler)")
     a.add_argument("--strict", action="store_true", help="exit 2 on dead patterns")

@@ -350,6 +350,9 @@ def _valid_names() -> str:
 
 def _resolve_lnc(family: str, lnc: int | None, *, what: str) -> int | None:
     chip = CHIPS[family]
+    if lnc is not None and (isinstance(lnc, bool) or not isinstance(lnc, int)):
+        raise ValueError(f"{what}: lnc={lnc!r} is a {type(lnc).__name__}; give the integer "
+                         "1 or 2")
     if not chip.lnc_options:
         if lnc is not None:
             raise ValueError(
@@ -615,7 +618,7 @@ class _Probe:
 def _read(path: str) -> str | None:
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
-            return fh.read().strip()
+            return fh.read(4096).strip()  # sysfs and DMI files are a line; never a stream
     except FileNotFoundError:
         return None
     except OSError as err:  # PermissionError for root-only (0400) files, EIO, ...
@@ -778,6 +781,10 @@ def detect(
         use_jax: ask JAX (step 2). Off, detection never starts a JAX backend.
         neuron_ls_timeout: seconds ``neuron-ls -j`` may take.
     """
+    if isinstance(neuron_ls_timeout, bool) or not isinstance(neuron_ls_timeout, (int, float)) \
+            or not 0 < neuron_ls_timeout <= 600:  # NaN fails too
+        raise ValueError(f"neuron_ls_timeout={neuron_ls_timeout!r}: give seconds above 0 and "
+                         "at most 600")
     env = os.environ if environ is None else environ
     key = (os.path.abspath(root), use_jax, neuron_ls_timeout, env.get("PATH"),
            tuple(env.get(k) for k in _ENV_KEYS))

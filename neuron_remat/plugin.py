@@ -72,8 +72,22 @@ STRICT_ENV = "NEURON_REMAT_STRICT"
 PROVIDER_NAME = "neuron_remat"  # this package's entry-point name (setup.cfg)
 
 
+_ON = ("1", "true", "yes", "on")
+_OFF = ("", "0", "false", "no", "off")
+
+
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    """An on/off environment switch. A value that is neither (``2``, ``enabled``) is
+    reported once and read as off: the host must not crash over a typo."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value not in _OFF:
+        _warn_once(("switch", name, raw), "neuron_remat: %s=%r is not a switch; valid: %s to "
+                   "turn it on, %s to turn it off; reading it as off", name, raw[:40],
+                   "/".join(_ON), "/".join(v for v in _OFF if v))
+    return False
 
 
 _WARNED: set[tuple[str, ...]] = set()

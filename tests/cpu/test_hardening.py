@@ -580,3 +580,41 @@ def test_overheads_table_flags_figures_over_target():
     text = ov.report(good)
     assert "OVER TARGET" not in text and "every figure with a target meets it" in text
     assert re.search(r"unrolled\s+\+1\.00%\s+< 2%\s+ok", text)
+
+
+# ----------------------------------------------------------------------------------------
+# More of the same kind: the Python API and the switches
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lnc", [True, 2.0, "2"])
+def test_lnc_is_an_integer_not_a_bool_or_text(lnc):
+    with pytest.raises(ValueError, match="lnc="):
+        dev.from_instance_type("trn2.48xlarge", lnc=lnc)  # lnc=True was LNC 1, silently
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), 0, -1, float("inf"), True, "5"])
+def test_the_neuron_ls_timeout_is_bounded(timeout):
+    with pytest.raises(ValueError, match="neuron_ls_timeout"):
+        dev.detect(neuron_ls_timeout=timeout, refresh=True, use_jax=False)
+
+
+def test_switches_that_are_neither_on_nor_off_are_reported_once(monkeypatch, caplog):
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2.48xlarge")
+    monkeypatch.setenv("NEURON_REMAT_DISABLE", "enabled")
+    caplog.set_level(logging.WARNING, logger="neuron_remat")
+    for layer in range(3):
+        assert plugin.provide(layer=f"l{layer}") is not None  # read as off
+    warned = [r.getMessage() for r in caplog.records if "is not a switch" in r.getMessage()]
+    assert len(warned) == 1 and "NEURON_REMAT_DISABLE='enabled'" in warned[0]
+    monkeypatch.setenv("NEURON_REMAT_DISABLE", " ON ")
+    assert plugin.provide(layer="l9") is None
+
+
+def test_cli_plot_and_offload_destinations_are_checked_before_work(tmp_path):
+    for path, words in ((tmp_path / "missing" / "x.png", "does not exist"),
+                        (tmp_path / "x.txt", "must end in")):
+        rc, _, err = run_cli(*PLAN, "--plot", str(path))
+        assert rc == 2 and words in one_line_error(err) and "--plot" in err
+    rc, _, err = run_cli("audit", "os:getcwd", "--offload", "x", "--offload-dst", "bogus")
+    assert rc == 2 and "--offload-dst" in one_line_error(err)
