@@ -43,7 +43,6 @@ import subprocess
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Any
 
 __all__ = [
@@ -308,6 +307,8 @@ def parse_bytes(text: str | int, *, what: str = "size", max_bytes: int = MAX_BYT
                 f"{what} {_show(text)} is not a size; write a number (ASCII digits) with an "
                 "optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. '64MiB' or '24GiB'"
             )
+        from fractions import Fraction  # noqa: PLC0415  (imports decimal: only when parsing)
+
         exact = Fraction(m.group(1)) * _UNITS[unit]
         if _UNITS[unit] == 1 and exact.denominator != 1:
             raise ValueError(f"{what} {text!r} is not a whole number of bytes")

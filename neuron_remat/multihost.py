@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import logging
 import math
 import os
@@ -109,9 +108,15 @@ def describe_policy(policy: Any, prevent_cse: bool | None = None) -> str:
     return text if prevent_cse is None else f"{text}, prevent_cse={bool(prevent_cse)}"
 
 
+def _sha(text: str, n: int) -> str:
+    import hashlib  # noqa: PLC0415  (OpenSSL: only for multi-process jobs)
+
+    return hashlib.sha256(text.encode()).hexdigest()[:n]
+
+
 def fingerprint(policy: Any, prevent_cse: bool | None = None) -> str:
     """A short hash of `describe_policy`: equal on every process for the same policy."""
-    return hashlib.sha256(describe_policy(policy, prevent_cse).encode()).hexdigest()[:16]
+    return _sha(describe_policy(policy, prevent_cse), 16)
 
 
 # --------------------------------------------------------------------------------------
@@ -177,7 +182,7 @@ def agree(policy: Any, prevent_cse: bool | None, *, what: str,
     if dist is None:
         return
     me, count, client = dist
-    ctx = hashlib.sha256(f"{what}|{_stable(dict(context or {}))}".encode()).hexdigest()[:24]
+    ctx = _sha(f"{what}|{_stable(dict(context or {}))}", 24)
     fp = fingerprint(policy, prevent_cse)
     with _LOCK:
         if (ctx, fp) in _AGREED:
