@@ -98,7 +98,11 @@ def _stable(value: Any, depth: int = 0) -> str:
                 held.append("<empty>")
         inner = f"[{', '.join(held)}]" if held else ""
         return f"{getattr(value, '__module__', '?')}.{qualname}{inner}"
-    return _ADDRESS.sub("", f"{type(value).__qualname__}:{value!r}")
+    try:
+        shown = repr(value)
+    except Exception:  # noqa: BLE001  a broken __repr__ must not break resolution
+        shown = "<unrepresentable>"
+    return _ADDRESS.sub("", f"{type(value).__qualname__}:{shown}")
 
 
 def describe_policy(policy: Any, prevent_cse: bool | None = None) -> str:
@@ -199,7 +203,13 @@ def agree(policy: Any, prevent_cse: bool | None, *, what: str,
         env = " ".join(f"{k}={os.environ[k]}" for k in _SHOWN_ENV if k in os.environ)
         mine = f"{fp}\n{described[:1500]}\n{env[:500]}"
         base = f"{_KEY_PREFIX}/{ctx}/{round_}"
-        client.key_value_set(f"{base}/{me}", mine)
+        try:
+            client.key_value_set(f"{base}/{me}", mine)
+        except Exception as err:  # noqa: BLE001  the distributed runtime is gone
+            raise PolicyMismatchError(
+                f"neuron_remat: process {me} could not publish its remat policy for {what} "
+                f"to JAX's distributed runtime ({type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''})") from None
         answers = {me: mine}
         deadline = time.monotonic() + wait
         for other in range(count):
