@@ -29,7 +29,8 @@ CHILD = textwrap.dedent("""
                              for ep in entry_points(group="jax_remat_policy"))}
     try:
         choice = nr.resolve_policy(
-            layer="decoder.layer", stack="stacked", model="llama3-8b",
+            layer=os.environ.get("TEST_LAYER", "decoder.layer"), stack="stacked",
+            model="llama3-8b",
             shape={"seq_len": 8192},
             parallelism={"tp": 4, "fsdp": -1, "sequence_parallel": True, "hosts": 2})
         out["policy"] = multihost.describe_policy(choice.policy, choice.prevent_cse)
@@ -67,7 +68,8 @@ def _run_pair(tmp_path, envs, timeout_s=150):
     for pid, extra in enumerate(envs):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("NEURON_", "XLA_"))}
         env.update(JAX_PLATFORMS="cpu", NEURON_REMAT_AGREEMENT_TIMEOUT="60",
-                   PYTHONPATH=os.pathsep.join(sys.path), **extra)
+                   PYTHONPATH=os.pathsep.join(sys.path))
+        env.update(extra)
         procs.append(subprocess.Popen([sys.executable, str(script), str(pid), str(port)],
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, env=env))
@@ -121,6 +123,15 @@ def test_a_host_whose_provider_fell_back_is_named(tmp_path):
     for r in results:
         assert "error" in r, r
         assert "process 1: no policy" in r["error"] and "process 0: RegexPolicy" in r["error"]
+
+
+def test_a_process_that_never_answers_is_an_error_not_a_hang(tmp_path):
+    # Process 1 resolves another layer, so nobody publishes what process 0 waits for.
+    quick = {**SAME, "NEURON_REMAT_AGREEMENT_TIMEOUT": "3"}
+    results = _run_pair(tmp_path, [quick, {**quick, "TEST_LAYER": "decoder.other_layer"}])
+    for me, r in enumerate(results):
+        assert f"process {1 - me} of 2 did not publish" in r["error"]
+        assert "within 3 s" in r["error"] and "NEURON_REMAT_AGREEMENT_TIMEOUT" in r["error"]
 
 
 # ----------------------------------------------------------------------------------------
