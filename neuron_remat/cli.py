@@ -182,6 +182,8 @@ def _model(text: str) -> models.TransformerConfig:
             return models.from_hf_config(data, name=os.path.basename(text))
         except (ValueError, TypeError) as err:
             raise UsageError(f"--model {text!r}: {err}") from None
+    if os.path.exists(text):
+        raise UsageError(f"--model {text!r} is not a regular file; give a config.json")
     if text.lower().endswith(".json") or os.sep in text or "/" in text:
         raise UsageError(f"--model {text!r}: no such file; give a config.json path or a "
                          f"built-in model ({', '.join(models.MODELS)})")

@@ -203,6 +203,15 @@ class TransformerConfig:
 
 
 _OPTIMIZERS = ("adamw", "sgd")
+
+
+def _integral_to_int(obj: Any, keys: tuple[str, ...]) -> None:
+    """numpy integers (from a config, an array shape) become ints; bools stay, to be
+    refused."""
+    for key in keys:
+        value = getattr(obj, key)
+        if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+            object.__setattr__(obj, key, int(value))
 _FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 _MAX_SIZE = 1 << 31  # bound on lengths, batches and degrees: beyond any job, still exact
 _MAX_OPT_BYTES = 1024  # optimizer-state bytes per parameter (AdamW keeps 8 to 12)
@@ -224,6 +233,7 @@ class StepShape:
     optimizer: str | float = "adamw"
 
     def __post_init__(self) -> None:
+        _integral_to_int(self, ("seq_len", "micro_batch"))
         _positive("step shape", seq_len=self.seq_len, micro_batch=self.micro_batch)
         for key in ("seq_len", "micro_batch"):
             if getattr(self, key) > _MAX_SIZE:
@@ -292,6 +302,7 @@ class Parallelism:
     hosts: int = 1
 
     def __post_init__(self) -> None:
+        _integral_to_int(self, ("tp", "fsdp", "dp", "pp", "hosts", "microbatches"))
         _positive("parallelism", tp=self.tp, dp=self.dp, pp=self.pp, hosts=self.hosts)
         if self.fsdp != -1 or isinstance(self.fsdp, bool):
             _positive("parallelism", fsdp=self.fsdp)

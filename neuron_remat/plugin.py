@@ -130,8 +130,20 @@ def default_prevent_cse(stack: str) -> bool:
 
 
 def _check_stack(stack: str) -> None:
-    if stack not in STACK_KINDS:
+    if not isinstance(stack, str) or stack not in STACK_KINDS:
         raise ValueError(f"stack={stack!r} is not a stack kind; valid: {', '.join(STACK_KINDS)}")
+
+
+def _cse(stack: str, prevent_cse: bool | None) -> bool:
+    """The ``prevent_cse`` to use: the caller's (a bool, not a truthy string), or the
+    stack's usual value."""
+    _check_stack(stack)
+    if prevent_cse is None:
+        return default_prevent_cse(stack)
+    if not isinstance(prevent_cse, bool):
+        raise ValueError(f"prevent_cse={prevent_cse!r} must be True, False or None (the "
+                         "stack's usual value)")
+    return prevent_cse
 
 
 # --------------------------------------------------------------------------------------
@@ -162,8 +174,7 @@ def resolve_policy(*, default: Callable[..., Any] | None = None, layer: str | No
     """The host side of the protocol: ask every provider in `group`, sorted by name, and
     take the first answer; with none, the host's `default` (and `prevent_cse`, or the
     stack's usual value) stands."""
-    _check_stack(stack)
-    cse = default_prevent_cse(stack) if prevent_cse is None else prevent_cse
+    cse = _cse(stack, prevent_cse)
     token = _IN_RESOLVE.set(True)
     try:
         choice = _ask_providers(default, layer, stack, cse, group, context)
@@ -470,8 +481,7 @@ def remat_args(stack: str, prevent_cse: bool | None, default: Any,
                context: Mapping[str, Any]) -> tuple[bool, DeferredPolicy]:
     """What an adapter passes to its host's remat: ``prevent_cse`` (the stack's usual value
     unless given) and a `DeferredPolicy` for `context`."""
-    _check_stack(stack)
-    cse = default_prevent_cse(stack) if prevent_cse is None else prevent_cse
+    cse = _cse(stack, prevent_cse)
     return cse, deferred(default, stack=stack, **context)
 
 

@@ -618,3 +618,28 @@ def test_cli_plot_and_offload_destinations_are_checked_before_work(tmp_path):
         assert rc == 2 and words in one_line_error(err) and "--plot" in err
     rc, _, err = run_cli("audit", "os:getcwd", "--offload", "x", "--offload-dst", "bogus")
     assert rc == 2 and "--offload-dst" in one_line_error(err)
+
+
+def test_prevent_cse_is_a_bool_not_a_truthy_string():
+    with pytest.raises(ValueError, match="prevent_cse='no'"):
+        plugin.resolve_policy(layer="x", prevent_cse="no")  # was passed on, and truthy
+    with pytest.raises(ValueError, match="prevent_cse=1"):
+        plugin.checkpoint(lambda x: x, prevent_cse=1)
+    assert plugin.resolve_policy(layer="x", prevent_cse=False).prevent_cse is False
+
+
+def test_numpy_integers_are_integers_and_numpy_bools_are_not():
+    import numpy as np
+
+    shape = models.StepShape(seq_len=np.int64(4096), micro_batch=np.int32(2))
+    assert type(shape.seq_len) is int and shape.tokens == 8192
+    par = models.Parallelism(tp=np.int64(4), fsdp=np.int64(-1), pp=np.int16(2),
+                             microbatches=np.int64(8))
+    assert (type(par.tp), par.fsdp, par.microbatches) == (int, -1, 8)
+    with pytest.raises(ValueError, match="seq_len"):
+        models.StepShape(seq_len=np.bool_(True))
+
+
+def test_cli_model_that_is_not_a_regular_file():
+    rc, _, err = run_cli("plan", "--model", "/dev/zero")  # reading it would never end
+    assert rc == 2 and "not a regular file" in one_line_error(err)
