@@ -59,8 +59,10 @@ def _count(low: int = 1, *, allow: tuple[int, ...] = (), high: int = _MAX_COUNT,
         raw = text.strip()
         body = raw[1:] if raw.startswith("-") else raw
         valid = f"an integer from {low} to {high}" + "".join(f" or {a}" for a in allow)
-        if not (body.isascii() and body.isdigit()) or len(body) > 12:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}; valid: {valid}")
+        if not (body.isascii() and body.isdigit()):
+            raise argparse.ArgumentTypeError(f"{dev._show(text)} is not {what}; valid: {valid}")
+        if len(body) > 12:
+            raise argparse.ArgumentTypeError(f"{dev._show(text)} is out of range; valid: {valid}")
         n = int(raw)
         if n not in allow and not low <= n <= high:
             raise argparse.ArgumentTypeError(f"{n} is out of range; valid: {valid}")
@@ -80,7 +82,8 @@ def _optimizer(text: str) -> str | float:
     except ValueError:
         value = None
     if value is None or not 0 <= value <= models._MAX_OPT_BYTES:  # NaN fails both
-        raise argparse.ArgumentTypeError(f"{text!r} is not an optimizer; valid: {valid}")
+        raise argparse.ArgumentTypeError(f"{dev._show(text)} is not an optimizer; valid: "
+                                         f"{valid}")
     return value
 
 
@@ -93,8 +96,8 @@ def _reserve(text: str) -> float | int:
     if value is not None:
         if not 0 <= value < 1:  # NaN and inf fail too
             raise argparse.ArgumentTypeError(
-                f"{text!r} is not a fraction of HBM below 1 (0.1) nor a size with a unit "
-                "(2GiB)")
+                f"{dev._show(text)} is not a fraction of HBM below 1 (0.1) nor a size with a "
+                "unit (2GiB)")
         return value
     try:
         return dev.parse_bytes(text, what="size")
@@ -106,7 +109,8 @@ def _candidates(text: str) -> list[str]:
     items = [c.strip() for c in text.split(",")]
     if not text.strip() or any(not c for c in items):
         raise argparse.ArgumentTypeError(
-            f"{text!r} has an empty entry; give comma-separated tags or roles (q_proj,k_proj)")
+            f"{dev._show(text)} has an empty entry; give comma-separated tags or roles "
+            "(q_proj,k_proj)")
     return items
 
 

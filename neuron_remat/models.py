@@ -212,6 +212,8 @@ def _integral_to_int(obj: Any, keys: tuple[str, ...]) -> None:
         value = getattr(obj, key)
         if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
             object.__setattr__(obj, key, int(value))
+
+
 _FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 _MAX_SIZE = 1 << 31  # bound on lengths, batches and degrees: beyond any job, still exact
 _MAX_OPT_BYTES = 1024  # optimizer-state bytes per parameter (AdamW keeps 8 to 12)
