@@ -493,6 +493,9 @@ def parse_device(text: str, *, source: str = "override",
             notes.append(Evidence("env", f"NEURON_LOGICAL_NC_CONFIG={env_lnc} -> LNC={env_lnc} "
                                          f"(the device text names no lnc)"))
     lnc = _resolve_lnc(family, lnc, what=what)
+    if env_lnc is None and (env.get("NEURON_LOGICAL_NC_CONFIG") or "").strip():
+        notes.append(Evidence("env", f"NEURON_LOGICAL_NC_CONFIG ignored: {family} has no "
+                                     "logical-core configuration"))
     hbm = None
     if "hbm" in opts:
         hbm = parse_bytes(opts["hbm"], what=f"{what}: hbm", max_bytes=MAX_HBM_PER_CORE)
@@ -880,6 +883,11 @@ def _detect(root: str, env: Mapping[str, str], use_jax: bool, timeout: float) ->
     kind = jax_probe.device_kind if jax_probe else None
     if jax_probe is not None and jax_probe.cores:
         cores = jax_probe.cores  # the runtime has already applied the visible-core variables
+        applied = [f"{k}={_show(env[k], 40)[1:-1]}" for k in
+                   ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES") if env.get(k, "").strip()]
+        if applied:
+            notes.append(Evidence("env", f"{', '.join(applied)}: already applied by the "
+                                         f"runtime, which shows JAX {cores} cores"))
     else:
         n, visible_note = _visible_cores(env, total)
         cores = n if n is not None else (total or per_chip)

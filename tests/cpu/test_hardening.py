@@ -643,3 +643,9 @@ def test_numpy_integers_are_integers_and_numpy_bools_are_not():
 def test_cli_model_that_is_not_a_regular_file():
     rc, _, err = run_cli("plan", "--model", "/dev/zero")  # reading it would never end
     assert rc == 2 and "not a regular file" in one_line_error(err)
+
+
+def test_an_lnc_variable_ignored_on_trn1_is_in_the_evidence():
+    spec = dev.parse_device("trn1.32xlarge", environ=env(NEURON_LOGICAL_NC_CONFIG="1"))
+    assert spec.lnc is None
+    assert any("NEURON_LOGICAL_NC_CONFIG ignored: trn1" in e.found for e in spec.evidence)
