@@ -14,7 +14,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from neuron_remat import cli, device as dev, models, plugin
@@ -388,6 +388,7 @@ INT_FLAGS = ["--seq-len", "--micro-batch", "--tp", "--fsdp", "--dp", "--pp", "--
 @example("--microbatches", "4")
 def test_cli_numbers_are_planned_or_refused_in_one_line(flag, text):
     rc, out, err = run_cli(*PLAN, flag, text)
+    event(f"exit {rc}")
     assert rc in (0, 1, 2), (rc, err)
     if rc == 2:
         line = one_line_error(err)
