@@ -349,6 +349,10 @@ class Parallelism:
     def resolve(self, device: DeviceSpec | None) -> Parallelism:
         """Fill ``fsdp=-1`` and check the degrees cover ``device.cores x hosts`` exactly."""
         total = device.cores * self.hosts if device is not None and device.cores else None
+        if total is not None and total > _MAX_SIZE:
+            raise ValueError(
+                f"parallelism: {device.cores} cores x hosts={self.hosts} = {total} cores is "  # type: ignore[union-attr]
+                f"beyond any job; valid: at most {_MAX_SIZE} cores in all")
         par = self
         if self.fsdp == -1:
             if total is None:

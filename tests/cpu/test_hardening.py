@@ -386,6 +386,7 @@ INT_FLAGS = ["--seq-len", "--micro-batch", "--tp", "--fsdp", "--dp", "--pp", "--
 @example("--seq-len", "0")
 @example("--reserve", "9" * 309 + "GiB")
 @example("--microbatches", "4")
+@example("--hosts", "1000000000")  # fsdp=-1 then resolved beyond any job: hosts is named
 def test_cli_numbers_are_planned_or_refused_in_one_line(flag, text):
     rc, out, err = run_cli(*PLAN, flag, text)
     event(f"exit {rc}")
