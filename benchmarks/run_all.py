@@ -54,7 +54,8 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
             "import_ms": ov["import"]["neuron_remat_ms"],
             "plan_70b_ms": ov["plan"]["median_ms"],
             "detect_first_call_ms": ov["detect"]["default"]["first_call_fresh_process_ms"],
-            "regex_trace_overhead": ov["trace"][0]["overhead"]}
+            "regex_trace_overhead": ov["trace"][0]["overhead"],
+            "over_target": [t["what"] for t in ov.get("targets", []) if not t["met"]]}
     sc = results.get("scaling")
     if sc:
         out["scaling"] = sc["fits"]

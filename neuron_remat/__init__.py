@@ -26,6 +26,7 @@ from .models import (
     get_model,
 )
 from .planner import NoFitError, Plan, plan
+from .multihost import PolicyMismatchError
 from .plugin import RematChoice, checkpoint, provide, resolve_policy
 from .policies import PRESETS, RegexPolicy, preset, save_and_offload_only_these_names_regex
 
@@ -33,7 +34,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AXLEARN_TAGS", "MAXTEXT_TAGS", "MODELS", "PRESETS", "AuditReport", "Budget",
-    "DeviceSpec", "Footprint", "NoFitError", "Parallelism", "Plan", "RegexPolicy",
+    "DeviceSpec", "Footprint", "NoFitError", "Parallelism", "Plan", "PolicyMismatchError",
+    "RegexPolicy",
     "RematChoice", "StepShape", "TagCost", "TagNames", "TransformerConfig", "audit", "budget",
     "checkpoint", "detect", "from_hf_config", "from_instance_type", "get_model",
     "layer_footprint", "model_state_bytes", "parse_device", "plan", "preset", "provide",

@@ -8,7 +8,9 @@ import importlib
 import json
 import logging
 import os
+import re
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +24,94 @@ __all__ = ["main"]
 
 def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, default=str))
+
+
+# --------------------------------------------------------------------------------------
+# Input validation: every flag is checked where it enters, and a bad one is one line
+# naming the value, the flag and what is valid (exit 2).
+# --------------------------------------------------------------------------------------
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERNAL = 3
+_MAX_COUNT = models._MAX_SIZE
+_JSON_KINDS = {type(None): "null", list: "array", str: "string", int: "number", float: "number",
+               bool: "boolean"}
+_CONFIG_MAX_BYTES = 16 << 20  # a config.json is a few KiB; refuse to read a data file
+
+
+class UsageError(ValueError):
+    """Bad input on the command line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors raised (one line, exit 2, JSON under --json) rather than
+    printed after the usage text."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _count(low: int = 1, *, allow: tuple[int, ...] = (), high: int = _MAX_COUNT,
+           what: str = "count") -> Any:
+    """An argparse type: an integer in ``low..high`` (or one of `allow`), ASCII digits."""
+
+    def parse(text: str) -> int:
+        raw = text.strip()
+        body = raw[1:] if raw.startswith("-") else raw
+        valid = f"an integer from {low} to {high}" + "".join(f" or {a}" for a in allow)
+        if not (body.isascii() and body.isdigit()):
+            raise argparse.ArgumentTypeError(f"{dev._show(text)} is not {what}; valid: {valid}")
+        if len(body) > 12:
+            raise argparse.ArgumentTypeError(f"{dev._show(text)} is out of range; valid: {valid}")
+        n = int(raw)
+        if n not in allow and not low <= n <= high:
+            raise argparse.ArgumentTypeError(f"{n} is out of range; valid: {valid}")
+        return n
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+def _optimizer(text: str) -> str | float:
+    if text in models._OPTIMIZERS:
+        return text
+    valid = (f"{', '.join(models._OPTIMIZERS)}, or optimizer-state bytes per parameter "
+             f"(a number from 0 to {models._MAX_OPT_BYTES})")
+    try:
+        value = float(text) if text.strip().isascii() and len(text) <= 32 else None
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= models._MAX_OPT_BYTES:  # NaN fails both
+        raise argparse.ArgumentTypeError(f"{dev._show(text)} is not an optimizer; valid: "
+                                         f"{valid}")
+    return value
+
+
+def _reserve(text: str) -> float | int:
+    """A fraction of HBM in [0, 1) or a size with a unit."""
+    try:
+        value = float(text) if text.strip().isascii() and len(text) <= 32 else None
+    except ValueError:
+        value = None
+    if value is not None:
+        if not 0 <= value < 1:  # NaN and inf fail too
+            raise argparse.ArgumentTypeError(
+                f"{dev._show(text)} is not a fraction of HBM below 1 (0.1) nor a size with a "
+                "unit (2GiB)")
+        return value
+    try:
+        return dev.parse_bytes(text, what="size")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{err}; or a fraction of HBM below 1 (0.1)") from None
+
+
+def _candidates(text: str) -> list[str]:
+    items = [c.strip() for c in text.split(",")]
+    if not text.strip() or any(not c for c in items):
+        raise argparse.ArgumentTypeError(
+            f"{dev._show(text)} has an empty entry; give comma-separated tags or roles "
+            "(q_proj,k_proj)")
+    return items
 
 
 # --------------------------------------------------------------------------------------
@@ -48,21 +138,59 @@ def _cmd_detect(args: argparse.Namespace) -> int:
 
 def _device_for_plan(text: str) -> tuple[dev.DeviceSpec, str | None]:
     if text == "detected":
-        return dev.detect(), None
-    if text == "auto":
+        spec, note = dev.detect(), None
+    elif text == "auto":
         spec = dev.detect()
         if spec.is_neuron:
             return spec, None
         sim = dev.from_instance_type("trn2.48xlarge")
         return sim, (f"no Neuron device here ({spec.family}): planning for a simulated "
                      "trn2.48xlarge; pass --device to choose another")
-    return dev.parse_device(text, source="command line"), None
+    else:
+        spec, note = dev.parse_device(text, source="command line"), None
+    if not spec.is_neuron:
+        what = "a CPU has" if spec.family == "cpu" else f"a {spec.family} device has"
+        raise UsageError(
+            f"--device {text}: {what} no HBM to plan for (found {spec.family}); give a Neuron "
+            "device, e.g. trn2.48xlarge or trn2:hbm=16GiB, or leave --device at auto")
+    return spec, note
 
 
 def _model(text: str) -> models.TransformerConfig:
+    """A built-in model name or a config.json path; file problems name the file."""
+    if os.path.isdir(text):
+        raise UsageError(f"--model {text!r} is a directory; give its config.json")
     if os.path.isfile(text):
-        with open(text, encoding="utf-8") as fh:
-            return models.from_hf_config(json.load(fh), name=os.path.basename(text))
+        if os.path.getsize(text) > _CONFIG_MAX_BYTES:
+            raise UsageError(f"--model {text!r} is {os.path.getsize(text)} bytes, too large "
+                             f"for a config.json (at most {_CONFIG_MAX_BYTES >> 20} MiB)")
+        with open(text, "rb") as fh:
+            raw = fh.read(_CONFIG_MAX_BYTES + 1)
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise UsageError(f"--model {text!r} is not UTF-8 text ({err.reason} at byte "
+                             f"{err.start}); give a Hugging Face config.json") from None
+        except json.JSONDecodeError as err:
+            what = "is empty" if not raw.strip() else (
+                f"is not JSON ({err.msg} at line {err.lineno} column {err.colno})")
+            raise UsageError(f"--model {text!r} {what}; give a Hugging Face config.json") \
+                from None
+        except RecursionError:
+            raise UsageError(f"--model {text!r} nests JSON too deeply to be a config.json") \
+                from None
+        if not isinstance(data, dict):
+            raise UsageError(f"--model {text!r} holds a JSON {_JSON_KINDS.get(type(data), 'value')}, not an "
+                             "object; give a Hugging Face config.json")
+        try:
+            return models.from_hf_config(data, name=os.path.basename(text))
+        except (ValueError, TypeError) as err:
+            raise UsageError(f"--model {text!r}: {err}") from None
+    if os.path.exists(text):
+        raise UsageError(f"--model {text!r} is not a regular file; give a config.json")
+    if text.lower().endswith(".json") or os.sep in text or "/" in text:
+        raise UsageError(f"--model {text!r}: no such file; give a config.json path or a "
+                         f"built-in model ({', '.join(models.MODELS)})")
     return models.get_model(text)
 
 
@@ -75,37 +203,44 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
         changes["tags"] = models.MAXTEXT_TAGS
     if changes:
         config = dataclasses.replace(config, **changes)
-    seq = args.seq_len or config.default_seq_len
+    seq = args.seq_len if args.seq_len is not None else config.default_seq_len
     if seq is None:
-        raise ValueError(f"{config.name} has no default sequence length; pass --seq-len")
-    optimizer: str | float = args.optimizer
-    try:
-        optimizer = float(args.optimizer)
-    except ValueError:
-        pass
+        raise UsageError(f"{config.name} has no default sequence length; pass --seq-len")
+    if args.microbatches is not None and args.pp == 1:
+        raise UsageError(f"--microbatches {args.microbatches} applies to a pipeline, but "
+                         "--pp is 1; give --pp N (N > 1) or drop --microbatches")
     shape = models.StepShape(seq_len=seq, micro_batch=args.micro_batch,
-                         activation_dtype=args.activation_dtype, param_dtype=args.param_dtype,
-                         optimizer=optimizer)
+                             activation_dtype=args.activation_dtype,
+                             param_dtype=args.param_dtype, optimizer=args.optimizer)
     seq_par = args.tp > 1 if args.sequence_parallel is None else args.sequence_parallel
     par = models.Parallelism(tp=args.tp, sequence_parallel=seq_par, fsdp=args.fsdp,
-                         dp=args.dp, pp=args.pp, schedule=args.schedule,
-                         microbatches=args.microbatches, zero1=args.zero1, hosts=args.hosts)
+                             dp=args.dp, pp=args.pp, schedule=args.schedule,
+                             microbatches=args.microbatches, zero1=args.zero1,
+                             hosts=args.hosts)
     device, note = _device_for_plan(args.device)
-    reserve: float | int | None = None
-    if args.reserve is not None:
-        try:
-            reserve = float(args.reserve)
-        except ValueError:
-            reserve = dev.parse_bytes(args.reserve, what="--reserve")
-        else:
-            if not 0 <= reserve < 1:
-                raise ValueError(f"--reserve {args.reserve}: give a fraction of HBM below 1 "
-                                 "(0.1) or a size with a unit (2GiB)")
-    candidates = args.candidates.split(",") if args.candidates else None
+    reserve: float | int | None = args.reserve
+    candidates = args.candidates
     return config, shape, par, device, note, reserve, candidates
 
 
+_PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def _check_plot_path(path: str) -> None:
+    """Refuse a --plot path that cannot be written, before planning."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.splitext(path)[1].lower() not in _PLOT_FORMATS:
+        raise UsageError(f"--plot {path!r}: the name must end in one of "
+                         f"{', '.join(_PLOT_FORMATS)}")
+    if not os.path.isdir(folder):
+        raise UsageError(f"--plot {path!r}: folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"--plot {path!r}: folder {folder!r} is not writable")
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.plot:
+        _check_plot_path(args.plot)
     config, shape, par, device, note, reserve, candidates = _plan_inputs(args)
     try:
         chosen = planner.plan(device, config, shape, par, candidates, reserve=reserve)
@@ -194,24 +329,43 @@ def _plot(chosen: planner.Plan, config: models.TransformerConfig, shape: models.
 
 
 def _load_factory(spec: str) -> Any:
+    """``MODULE:FUNCTION`` -> (fn, args); whatever goes wrong is the user's, in one line."""
     module, sep, attr = spec.partition(":")
-    if not sep or not module or not attr:
-        raise ValueError(f"{spec!r} is not MODULE:FUNCTION (e.g. mypkg.layers:make_layer)")
+    if not sep or not module.strip() or not attr.strip():
+        raise UsageError(f"{spec!r} is not MODULE:FUNCTION (e.g. mypkg.layers:make_layer)")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    obj = importlib.import_module(module)
+    try:
+        obj = importlib.import_module(module)
+    except Exception as err:  # noqa: BLE001  the user's module, failing as it will
+        raise UsageError(f"target {spec!r}: cannot import {module!r} "
+                         f"({type(err).__name__}: {err})") from err
     for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise UsageError(f"target {spec!r}: {getattr(obj, '__name__', obj)!s} has no "
+                             f"attribute {part!r}")
         obj = getattr(obj, part)
-    made = obj()
+    if not callable(obj):
+        raise UsageError(f"target {spec!r} is a {type(obj).__name__}, not a function "
+                         "returning (fn, args)")
+    try:
+        made = obj()
+    except Exception as err:  # noqa: BLE001
+        raise UsageError(f"target {spec}() raised {type(err).__name__}: {err}") from err
     if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])):
-        raise ValueError(f"{spec}() must return (fn, args); got {type(made).__name__}")
+        raise UsageError(f"target {spec}() must return (fn, args); got "
+                         f"{type(made).__name__}")
     fn, fargs = made
-    return fn, tuple(fargs)
+    try:
+        return fn, tuple(fargs)
+    except TypeError:
+        raise UsageError(f"target {spec}() returned args of type {type(fargs).__name__}; "
+                         "give a tuple") from None
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
     if args.policy and (args.save or args.offload):
-        raise ValueError("give --policy or --save/--offload, not both")
+        raise UsageError("give --policy or --save/--offload, not both")
     if args.policy:
         policy = policies.preset(args.policy)
     else:
@@ -220,7 +374,11 @@ def _cmd_audit(args: argparse.Namespace) -> int:
                                       offload_dst=args.offload_dst if args.offload else None,
                                       allow_offload_on_neuron=args.allow_offload_on_neuron)
     fn, fargs = _load_factory(args.target)
-    report = run_audit(fn, *fargs, policy=policy)
+    try:
+        report = run_audit(fn, *fargs, policy=policy)
+    except Exception as err:  # noqa: BLE001  tracing the user's function, with their args
+        raise UsageError(f"auditing {args.target}: tracing it raised "
+                         f"{type(err).__name__}: {err}") from err
     if args.json:
         _print_json(report.to_dict())
     else:
@@ -261,7 +419,7 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="neuron-remat",
         description="Pick the JAX remat (checkpoint) policy that fits Trainium HBM at the "
                     "least recompute.")
@@ -280,34 +438,39 @@ def _parser() -> argparse.ArgumentParser:
                     help="instance type or family with options (trn2.48xlarge, "
                          "trn2:lnc=1:hbm=8GiB), 'detected', or 'auto' (detected if Neuron, "
                          "else a simulated trn2.48xlarge; the default)")
-    pl.add_argument("--seq-len", type=int, help="sequence length (default: the model's)")
-    pl.add_argument("--micro-batch", type=int, default=1, help="sequences per replica")
-    pl.add_argument("--tp", type=int, default=4, help="tensor-parallel degree (default 4: "
+    pl.add_argument("--seq-len", type=_count(what="a sequence length"),
+                    help="sequence length (default: the model's)")
+    pl.add_argument("--micro-batch", type=_count(what="a micro-batch size"), default=1,
+                    help="sequences per replica")
+    pl.add_argument("--tp", type=_count(what="a degree"), default=4, help="tensor-parallel degree (default 4: "
                     "one TRN2 chip at LNC=2, as axlearn's mesh rules)")
     sp = pl.add_mutually_exclusive_group()
     sp.add_argument("--sequence-parallel", dest="sequence_parallel", action="store_true",
                     default=None, help="split norms and residuals over the sequence across "
                     "the tp group (the default when tp > 1, as axlearn's TRN2 rules do)")
     sp.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false")
-    pl.add_argument("--fsdp", type=int, default=-1, help="FSDP degree; -1 fills the rest")
-    pl.add_argument("--dp", type=int, default=1)
-    pl.add_argument("--pp", type=int, default=1)
+    pl.add_argument("--fsdp", type=_count(allow=(-1,), what="a degree"), default=-1,
+                    help="FSDP degree; -1 fills the rest")
+    pl.add_argument("--dp", type=_count(what="a degree"), default=1)
+    pl.add_argument("--pp", type=_count(what="a degree"), default=1)
     pl.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
-    pl.add_argument("--microbatches", type=int)
+    pl.add_argument("--microbatches", type=_count(what="a micro-batch count"),
+                    help="micro-batches per step of a pipeline (needs --pp > 1)")
     pl.add_argument("--zero1", action="store_true", help="shard optimizer state over dp")
-    pl.add_argument("--hosts", type=int, default=1, help="instances in the job")
-    pl.add_argument("--activation-dtype", default="bfloat16")
-    pl.add_argument("--param-dtype", default="float32")
-    pl.add_argument("--optimizer", default="adamw",
+    pl.add_argument("--hosts", type=_count(what="a host count"), default=1,
+                    help="instances in the job")
+    pl.add_argument("--activation-dtype", default="bfloat16", choices=models._FLOAT_DTYPES)
+    pl.add_argument("--param-dtype", default="float32", choices=models._FLOAT_DTYPES)
+    pl.add_argument("--optimizer", default="adamw", type=_optimizer,
                     help="adamw, sgd, or optimizer-state bytes per parameter")
-    pl.add_argument("--reserve", help="HBM held back: a fraction (0.1) or a size (2GiB)")
+    pl.add_argument("--reserve", type=_reserve, help="HBM held back: a fraction (0.1) or a size (2GiB)")
     fa = pl.add_mutually_exclusive_group()
     fa.add_argument("--flash-attention", dest="flash_attention", action="store_true",
                     default=None)
     fa.add_argument("--no-flash-attention", dest="flash_attention", action="store_false")
     pl.add_argument("--tags", choices=["axlearn", "maxtext"], default="axlearn",
                     help="tag vocabulary of the host library")
-    pl.add_argument("--candidates", help="comma-separated tags or roles to consider")
+    pl.add_argument("--candidates", type=_candidates, help="comma-separated tags or roles to consider")
     pl.add_argument("--plot", metavar="PNG", help="draw the per-core memory stack")
     pl.add_argument("--json", action="store_true", help="print JSON")
     pl.set_defaults(run=_cmd_plan)
@@ -318,7 +481,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--policy", choices=list(policies.PRESETS), help="a preset")
     a.add_argument("--save", nargs="+", metavar="PATTERN", help="save patterns")
     a.add_argument("--offload", nargs="+", metavar="PATTERN", help="offload patterns")
-    a.add_argument("--offload-dst", default="pinned_host")
+    a.add_argument("--offload-dst", default="pinned_host",
+                   choices=["pinned_host", "unpinned_host"],
+                   help="memory kind for offloaded tags (default pinned_host)")
     a.add_argument("--allow-offload-on-neuron", action="store_true",
                    help="offload even on a Neuron device (not documented by its compiler)")
     a.add_argument("--strict", action="store_true", help="exit 2 on dead patterns")
@@ -335,15 +500,52 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+# What bad input raises; anything else escaping a command is a bug in neuron_remat.
+_INPUT_ERRORS = (ValueError, TypeError, OSError, ImportError, re.error)
+
+
+def _fail(message: str, as_json: bool) -> None:
+    line = " ".join(str(message).split())  # one line, whatever the message held
+    if as_json:
+        _print_json({"error": line})
+    else:
+        print(f"error: {line}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Run the CLI. Exit codes: 0 done, 1 no plan fits (plan) or dead patterns (audit
+    --strict: 2), 2 bad input (one line, never a traceback), 3 an internal error (a bug;
+    ``-v`` prints its traceback), 130 interrupted."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    as_json = "--json" in argv
+    verbose = "-v" in argv or "--verbose" in argv
+    try:
+        args = _parser().parse_args(argv)
+    except UsageError as err:
+        _fail(str(err), as_json)
+        return EXIT_BAD_INPUT
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.run(args))
-    except (ValueError, TypeError, ImportError, OSError) as err:
-        if getattr(args, "json", False):
-            _print_json({"error": f"{type(err).__name__}: {err}"})
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except _INPUT_ERRORS as err:
+        if verbose:
+            traceback.print_exc()
+        if isinstance(err, re.error):
+            shown = f"invalid regular expression {err.pattern!r}: {err.msg}"
+        elif isinstance(err, ValueError):
+            shown = str(err)
         else:
-            print(f"error: {err}", file=sys.stderr)
-        return 2
+            shown = f"{type(err).__name__}: {err}"
+        _fail(shown or type(err).__name__, as_json)
+        return EXIT_BAD_INPUT
+    except Exception as err:  # noqa: BLE001  a bug: say so in one line, never hide it
+        if verbose:
+            traceback.print_exc()
+        _fail(f"internal error in neuron_remat ({type(err).__name__}: {err}); this is a "
+              "bug, please report it with the output of the same command run with -v",
+              as_json)
+        return EXIT_INTERNAL

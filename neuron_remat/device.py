@@ -35,6 +35,7 @@ import dataclasses
 import glob
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -262,24 +263,83 @@ _UNITS = {
 }
 
 
-def parse_bytes(text: str | int, *, what: str = "size") -> int:
+# Bounds on what people type: a size or a core list longer than this is not one.
+MAX_SIZE_CHARS = 64
+MAX_BYTES = 1 << 60  # 1 EiB: no device, reserve or budget comes near it
+MIN_HBM_PER_CORE = MiB  # smaller is no device; scaled-down simulations use MiB
+MAX_HBM_PER_CORE = 1 << 40  # 1 TiB per core: far beyond any Neuron chip
+_MAX_OVERRIDE_CHARS = 200
+_MAX_CORE_LIST_CHARS = 4096
+
+
+def _show(text: Any, limit: int = 48) -> str:
+    """`repr` of a value for an error message, cut short when a user pasted a novel."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else f"{shown[:limit - 5]}...{shown[-4:]} ({len(str(text))} chars)"
+
+
+def parse_bytes(text: str | int, *, what: str = "size", max_bytes: int = MAX_BYTES) -> int:
     """``"64MiB"``, ``"1.5GiB"``, ``"24GB"`` or a plain integer -> bytes (binary units for
-    ``K``/``M``/``G``, decimal for ``KB``/``MB``/``GB``)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        if text <= 0:
-            raise ValueError(f"{what} must be positive, got {text}")
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if not m or unit not in _UNITS:
-        raise ValueError(
-            f"{what} {text!r} is not a size; write a number with an optional unit "
-            "(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. '64MiB' or '24GiB'"
-        )
-    value = int(float(m.group(1)) * _UNITS[unit])
+    ``K``/``M``/``G``, decimal for ``KB``/``MB``/``GB``).
+
+    Arithmetic is exact: a fraction of a larger unit is rounded down to whole bytes
+    (``"0.1GiB"``), while a fraction of a byte (``"1.9"``, ``1.9``) is refused. Only ASCII
+    digits count, the text is at most `MAX_SIZE_CHARS` long, and the result lies in
+    ``1..max_bytes``; anything else raises `ValueError` naming `what`.
+    """
+    if isinstance(text, bool) or not isinstance(text, (str, int, float)):
+        raise TypeError(f"{what} {_show(text)} is a {type(text).__name__}, not a size; give "
+                        "a number of bytes or a string such as '64MiB'")
+    if isinstance(text, float):
+        if not math.isfinite(text) or not text.is_integer():
+            raise ValueError(f"{what} {text!r} is not a whole number of bytes")
+        value = int(text)
+    elif isinstance(text, int):
+        value = text
+    else:
+        if len(text) > MAX_SIZE_CHARS:
+            raise ValueError(f"{what} {_show(text)} is too long to be a size (at most "
+                             f"{MAX_SIZE_CHARS} characters, e.g. '64MiB')")
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*", text, re.ASCII)
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _UNITS:
+            raise ValueError(
+                f"{what} {_show(text)} is not a size; write a number (ASCII digits) with an "
+                "optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. '64MiB' or '24GiB'"
+            )
+        from fractions import Fraction  # noqa: PLC0415  (imports decimal: only when parsing)
+
+        exact = Fraction(m.group(1)) * _UNITS[unit]
+        if _UNITS[unit] == 1 and exact.denominator != 1:
+            raise ValueError(f"{what} {text!r} is not a whole number of bytes")
+        value = math.floor(exact)
     if value <= 0:
-        raise ValueError(f"{what} must be positive, got {text!r}")
+        raise ValueError(f"{what} must be positive, got {_show(text)}"
+                         + (" (less than one byte)" if isinstance(text, str) else ""))
+    if value > max_bytes:
+        raise ValueError(f"{what} {_show(text)} is larger than {_human(max_bytes)}, the "
+                         "most this accepts")
     return value
+
+
+def _human(n: int) -> str:
+    for unit, size in (("EiB", 1 << 60), ("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", GiB),
+                       ("MiB", MiB), ("KiB", KiB)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} B"
+
+
+def _ascii_int(text: str, *, what: str, low: int, high: int, valid: str) -> int:
+    """A plain ASCII integer in ``low..high`` (no signs, no other scripts' digits)."""
+    raw = text.strip()
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:
+        raise ValueError(f"{what}={_show(text)} is not a positive integer in ASCII digits; "
+                         f"valid: {valid}")
+    n = int(raw)
+    if not low <= n <= high:
+        raise ValueError(f"{what}={n} is out of range; valid: {valid}")
+    return n
 
 
 def _valid_names() -> str:
@@ -291,6 +351,9 @@ def _valid_names() -> str:
 
 def _resolve_lnc(family: str, lnc: int | None, *, what: str) -> int | None:
     chip = CHIPS[family]
+    if lnc is not None and (isinstance(lnc, bool) or not isinstance(lnc, int)):
+        raise ValueError(f"{what}: lnc={lnc!r} is a {type(lnc).__name__}; give the integer "
+                         "1 or 2")
     if not chip.lnc_options:
         if lnc is not None:
             raise ValueError(
@@ -370,10 +433,25 @@ def parse_device(text: str, *, source: str = "override",
     """Parse the override syntax: ``BASE[:lnc=N][:hbm=SIZE][:cores=N]``.
 
     ``BASE`` is an instance type (``trn2.48xlarge``), a Neuron family (``trn2``: one chip)
-    or ``cpu``. ``hbm`` is HBM per core, for scaled-down simulations on small machines.
-    When ``lnc`` is not given, ``NEURON_LOGICAL_NC_CONFIG`` from `environ` applies.
+    or ``cpu``. ``hbm`` is HBM per core (1 MiB to 1 TiB), for scaled-down simulations on
+    small machines. ``cores`` is how many of the device's logical cores this process uses
+    (at most all of them).
+
+    The runtime's variables in `environ` (default ``os.environ``) describe this process,
+    and they apply unless the text says otherwise: ``NEURON_LOGICAL_NC_CONFIG`` gives the
+    LNC when ``lnc`` is not written, and for the ``NEURON_REMAT_DEVICE`` override (source
+    ``"override"``) ``NEURON_RT_VISIBLE_CORES``/``NEURON_RT_NUM_CORES`` give the cores when
+    ``cores`` is not written. Where both are given and disagree, the contradiction is a
+    `ValueError`; where a variable applies, the evidence says so.
     """
-    what = f"{OVERRIDE_ENV}={text!r}" if source == "override" else f"device {text!r}"
+    if not isinstance(text, str):
+        raise TypeError(f"device {_show(text)} is a {type(text).__name__}; give a string "
+                        "such as 'trn2.48xlarge'")
+    what = f"{OVERRIDE_ENV}={_show(text)}" if source == "override" else f"device {_show(text)}"
+    if len(text) > _MAX_OVERRIDE_CHARS:
+        raise ValueError(f"{what} is too long to be a device; "
+                         f"write BASE[:lnc=N][:hbm=SIZE][:cores=N], e.g. trn2.48xlarge:lnc=1")
+    env = os.environ if environ is None else environ
     parts = [p.strip() for p in text.strip().split(":")]
     base = parts[0].lower()
     opts: dict[str, str] = {}
@@ -382,7 +460,7 @@ def parse_device(text: str, *, source: str = "override",
         key = key.strip().lower()
         if not sep or key not in ("lnc", "hbm", "cores") or not value.strip():
             raise ValueError(
-                f"{what}: option {part!r} is not one of lnc=1|2, hbm=SIZE (per core, "
+                f"{what}: option {_show(part)} is not one of lnc=1|2, hbm=SIZE (per core, "
                 "e.g. 64MiB), cores=N"
             )
         if key in opts:
@@ -398,24 +476,53 @@ def parse_device(text: str, *, source: str = "override",
     elif base in NEURON_FAMILIES:
         instance, family = None, base
     else:
-        raise ValueError(f"{what}: unknown device {parts[0]!r}; valid {_valid_names()}")
-    lnc: int | None = None
+        raise ValueError(f"{what}: unknown device {_show(parts[0])}; valid {_valid_names()}")
+    notes = [Evidence(source, "", True)]  # filled in below
+    env_lnc = _lnc_from_env(env, family)
     if "lnc" in opts:
         if opts["lnc"] not in ("1", "2"):
-            raise ValueError(f"{what}: lnc={opts['lnc']!r} is not valid; valid: 1, 2")
-        lnc = int(opts["lnc"])
+            raise ValueError(f"{what}: lnc={_show(opts['lnc'])} is not valid; valid: 1, 2")
+        lnc: int | None = int(opts["lnc"])
+        if env_lnc is not None and env_lnc != lnc:
+            raise ValueError(
+                f"{what} says lnc={lnc} but NEURON_LOGICAL_NC_CONFIG={env_lnc} in this "
+                "environment: the runtime would use the latter; make them agree or unset one")
     else:
-        lnc = _lnc_from_env(environ if environ is not None else os.environ, family)
+        lnc = env_lnc
+        if env_lnc is not None:
+            notes.append(Evidence("env", f"NEURON_LOGICAL_NC_CONFIG={env_lnc} -> LNC={env_lnc} "
+                                         f"(the device text names no lnc)"))
     lnc = _resolve_lnc(family, lnc, what=what)
-    hbm = parse_bytes(opts["hbm"], what=f"{what}: hbm") if "hbm" in opts else None
+    if env_lnc is None and (env.get("NEURON_LOGICAL_NC_CONFIG") or "").strip():
+        notes.append(Evidence("env", f"NEURON_LOGICAL_NC_CONFIG ignored: {family} has no "
+                                     "logical-core configuration"))
+    hbm = None
+    if "hbm" in opts:
+        hbm = parse_bytes(opts["hbm"], what=f"{what}: hbm", max_bytes=MAX_HBM_PER_CORE)
+        if hbm < MIN_HBM_PER_CORE:
+            raise ValueError(f"{what}: hbm={opts['hbm']} per core is below 1 MiB, smaller "
+                             "than any device; valid: 1MiB to 1TiB per core")
+    per_chip = CHIPS[family].cores_per_chip(lnc)
+    total = (instance.chips if instance else 1) * per_chip
+    where = f"{instance.name if instance else f'one {family} chip'} at LNC={lnc}"
     cores = None
     if "cores" in opts:
-        if not opts["cores"].isdigit() or int(opts["cores"]) < 1:
-            raise ValueError(f"{what}: cores={opts['cores']!r} is not a positive integer")
-        cores = int(opts["cores"])
-    found = f"{base}, LNC={lnc}" + (f", hbm={hbm} B/core" if hbm else "")
+        cores = _ascii_int(opts["cores"], what=f"{what}: cores", low=1, high=total,
+                           valid=f"1-{total} (the logical cores of {where})")
+    if source == "override":
+        visible, visible_note = _visible_cores(env, total)
+        if visible is not None and cores is not None and visible != cores:
+            raise ValueError(
+                f"{what} says cores={cores} but {visible_note.split(' -> ')[0]} in this "
+                f"environment gives {visible}: make them agree or unset one")
+        if visible is not None:
+            notes.append(Evidence("env", visible_note + " (the override's device)"))
+            cores = visible
+    found = f"{base}, LNC={lnc}" + (f", hbm={hbm} B/core" if hbm else "") + (
+        f", cores={cores}" if cores is not None else "")
+    notes[0] = Evidence(source, found, True)
     return _spec(family, instance=instance, lnc=lnc, source=source, cores=cores, hbm=hbm,
-                 evidence=(Evidence(source, found, True),))
+                 evidence=tuple(notes))
 
 
 # --------------------------------------------------------------------------------------
@@ -429,56 +536,67 @@ def _lnc_from_env(environ: Mapping[str, str], family: str) -> int | None:
         return None
     if raw.strip() not in ("1", "2"):
         raise ValueError(
-            f"NEURON_LOGICAL_NC_CONFIG={raw!r} is not valid; valid values: 1, 2"
+            f"NEURON_LOGICAL_NC_CONFIG={_show(raw)} is not valid; valid values: 1, 2"
         )
     if not CHIPS[family].lnc_options:
         return None  # the runtime ignores it on trn1/inf2, and so do we
     return int(raw)
 
 
-def _parse_core_list(raw: str) -> list[int]:
-    cores: list[int] = []
+def _max_cores() -> int:
+    """The most logical cores any known instance has (at the smallest LNC)."""
+    return max(inst.chips * CHIPS[inst.family].physical_cores for inst in INSTANCES.values())
+
+
+def _parse_core_list(raw: str, total: int | None = None) -> tuple[int, int]:
+    """``NEURON_RT_VISIBLE_CORES`` -> (number of cores, highest index), in time linear in
+    the text and without building the list: ``0-99999999`` is refused at once."""
+    name = "NEURON_RT_VISIBLE_CORES"
+    limit = total if total is not None else _max_cores()
+    scope = (f"this machine has {total} logical cores (valid indices 0-{total - 1})"
+             if total is not None else
+             f"no Neuron instance has more than {limit} logical cores")
+    if len(raw) > _MAX_CORE_LIST_CHARS:
+        raise ValueError(f"{name}={_show(raw)} is too long to be a core list; valid "
+                         "forms: '3', '0-3', '0,2,4-7'")
+    spans: list[tuple[int, int]] = []
     for piece in raw.split(","):
         piece = piece.strip()
-        m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", piece)
+        m = re.fullmatch(r"([0-9]+)(?:\s*-\s*([0-9]+))?", piece, re.ASCII)
         if not m:
             raise ValueError(
-                f"NEURON_RT_VISIBLE_CORES={raw!r} is not a core index or inclusive range; "
-                "valid forms: '3', '0-3', '0,2,4-7'"
+                f"{name}={_show(raw)} is not a core index or inclusive range; "
+                "valid forms: '3', '0-3', '0,2,4-7' (ASCII digits)"
             )
+        if max(len(m.group(1)), len(m.group(2) or "")) > 9:
+            raise ValueError(f"{name}={_show(raw)} names a core index with more than 9 "
+                             f"digits; {scope}")
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         if hi < lo:
-            raise ValueError(
-                f"NEURON_RT_VISIBLE_CORES={raw!r}: range {piece!r} runs backwards; "
-                f"write '{hi}-{lo}'"
-            )
-        cores.extend(range(lo, hi + 1))
-    if len(set(cores)) != len(cores):
-        raise ValueError(f"NEURON_RT_VISIBLE_CORES={raw!r} names a core twice")
-    return cores
+            raise ValueError(f"{name}={_show(raw)}: range {piece!r} runs backwards; "
+                             f"write '{hi}-{lo}'")
+        if hi >= limit:
+            raise ValueError(f"{name}={_show(raw)} names core {hi} but {scope}")
+        spans.append((lo, hi))
+    spans.sort()
+    for (_, hi_a), (lo_b, _) in zip(spans, spans[1:]):
+        if lo_b <= hi_a:
+            raise ValueError(f"{name}={_show(raw)} names core {lo_b} twice")
+    return sum(hi - lo + 1 for lo, hi in spans), spans[-1][1]
 
 
 def _visible_cores(environ: Mapping[str, str], total: int | None) -> tuple[int | None, str]:
     """Cores this process may use per the runtime's variables, or None when unset."""
     raw = environ.get("NEURON_RT_VISIBLE_CORES", "").strip()
     if raw:
-        cores = _parse_core_list(raw)
-        if total is not None and max(cores) >= total:
-            raise ValueError(
-                f"NEURON_RT_VISIBLE_CORES={raw!r} names core {max(cores)} but this "
-                f"machine has {total} logical cores (valid indices 0-{total - 1})"
-            )
-        return len(cores), f"NEURON_RT_VISIBLE_CORES={raw} -> {len(cores)} cores"
+        n, _ = _parse_core_list(raw, total)
+        return n, f"NEURON_RT_VISIBLE_CORES={_show(raw, 60)[1:-1]} -> {n} cores"
     raw = environ.get("NEURON_RT_NUM_CORES", "").strip()
     if raw:
-        if not raw.isdigit() or int(raw) < 1:
-            raise ValueError(f"NEURON_RT_NUM_CORES={raw!r} is not a positive integer")
-        n = int(raw)
-        if total is not None and n > total:
-            raise ValueError(
-                f"NEURON_RT_NUM_CORES={n} exceeds the {total} logical cores of this "
-                f"machine (valid: 1-{total})"
-            )
+        limit = total if total is not None else _max_cores()
+        valid = (f"1-{total} (the logical cores of this machine)" if total is not None
+                 else f"1-{limit} (no Neuron instance has more)")
+        n = _ascii_int(raw, what="NEURON_RT_NUM_CORES", low=1, high=limit, valid=valid)
         return n, f"NEURON_RT_NUM_CORES={n}"
     return None, ""
 
@@ -504,7 +622,7 @@ class _Probe:
 def _read(path: str) -> str | None:
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
-            return fh.read().strip()
+            return fh.read(4096).strip()  # sysfs and DMI files are a line; never a stream
     except FileNotFoundError:
         return None
     except OSError as err:  # PermissionError for root-only (0400) files, EIO, ...
@@ -667,6 +785,10 @@ def detect(
         use_jax: ask JAX (step 2). Off, detection never starts a JAX backend.
         neuron_ls_timeout: seconds ``neuron-ls -j`` may take.
     """
+    if isinstance(neuron_ls_timeout, bool) or not isinstance(neuron_ls_timeout, (int, float)) \
+            or not 0 < neuron_ls_timeout <= 600:  # NaN fails too
+        raise ValueError(f"neuron_ls_timeout={neuron_ls_timeout!r}: give seconds above 0 and "
+                         "at most 600")
     env = os.environ if environ is None else environ
     key = (os.path.abspath(root), use_jax, neuron_ls_timeout, env.get("PATH"),
            tuple(env.get(k) for k in _ENV_KEYS))
@@ -761,6 +883,11 @@ def _detect(root: str, env: Mapping[str, str], use_jax: bool, timeout: float) ->
     kind = jax_probe.device_kind if jax_probe else None
     if jax_probe is not None and jax_probe.cores:
         cores = jax_probe.cores  # the runtime has already applied the visible-core variables
+        applied = [f"{k}={_show(env[k], 40)[1:-1]}" for k in
+                   ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES") if env.get(k, "").strip()]
+        if applied:
+            notes.append(Evidence("env", f"{', '.join(applied)}: already applied by the "
+                                         f"runtime, which shows JAX {cores} cores"))
     else:
         n, visible_note = _visible_cores(env, total)
         cores = n if n is not None else (total or per_chip)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -228,6 +229,20 @@ class TransformerConfig:
 _OPTIMIZERS = ("adamw", "sgd")
 
 
+def _integral_to_int(obj: Any, keys: tuple[str, ...]) -> None:
+    """numpy integers (from a config, an array shape) become ints; bools stay, to be
+    refused."""
+    for key in keys:
+        value = getattr(obj, key)
+        if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+            object.__setattr__(obj, key, int(value))
+
+
+_FLOAT_DTYPES = ("float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+_MAX_SIZE = 1 << 31  # bound on lengths, batches and degrees: beyond any job, still exact
+_MAX_OPT_BYTES = 1024  # optimizer-state bytes per parameter (AdamW keeps 8 to 12)
+
+
 @dataclass(frozen=True)
 class StepShape:
     """One training step as one data-parallel replica sees it.
@@ -244,17 +259,28 @@ class StepShape:
     optimizer: str | float = "adamw"
 
     def __post_init__(self) -> None:
+        _integral_to_int(self, ("seq_len", "micro_batch"))
         _positive("step shape", seq_len=self.seq_len, micro_batch=self.micro_batch)
-        dtype_bytes(self.activation_dtype)
-        dtype_bytes(self.param_dtype)
-        if isinstance(self.optimizer, str):
-            if self.optimizer not in _OPTIMIZERS:
+        for key in ("seq_len", "micro_batch"):
+            if getattr(self, key) > _MAX_SIZE:
+                raise ValueError(f"step shape: {key}={getattr(self, key)} is beyond the "
+                                 f"{_MAX_SIZE} this planner models; valid: 1-{_MAX_SIZE}")
+        for key in ("activation_dtype", "param_dtype"):
+            value = getattr(self, key)
+            if not isinstance(value, str) or value.lower() not in _FLOAT_DTYPES:
+                raise ValueError(f"step shape: {key}={value!r} is not a floating-point dtype "
+                                 f"to train in; valid: {', '.join(_FLOAT_DTYPES)}")
+        opt = self.optimizer
+        if isinstance(opt, str):
+            if opt not in _OPTIMIZERS:
                 raise ValueError(
-                    f"optimizer={self.optimizer!r} is not known; valid: "
+                    f"optimizer={opt!r} is not known; valid: "
                     f"{', '.join(_OPTIMIZERS)}, or optimizer-state bytes per parameter")
-        elif not isinstance(self.optimizer, (int, float)) or self.optimizer < 0:
+        elif (isinstance(opt, bool) or not isinstance(opt, numbers.Real)
+              or not 0 <= opt <= _MAX_OPT_BYTES):  # NaN fails the comparison too
             raise ValueError(
-                f"optimizer={self.optimizer!r}: give 'adamw', 'sgd' or bytes per parameter >= 0")
+                f"optimizer={opt!r}: give 'adamw', 'sgd' or optimizer-state bytes per "
+                f"parameter, a finite number from 0 to {_MAX_OPT_BYTES}")
 
     @property
     def tokens(self) -> int:
@@ -302,14 +328,29 @@ class Parallelism:
     hosts: int = 1
 
     def __post_init__(self) -> None:
+        _integral_to_int(self, ("tp", "fsdp", "dp", "pp", "hosts", "microbatches"))
         _positive("parallelism", tp=self.tp, dp=self.dp, pp=self.pp, hosts=self.hosts)
-        if self.fsdp != -1:
+        if self.fsdp != -1 or isinstance(self.fsdp, bool):
             _positive("parallelism", fsdp=self.fsdp)
-        if self.schedule not in _SCHEDULES:
+        for key in ("tp", "fsdp", "dp", "pp", "hosts", "microbatches"):
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, bool) and isinstance(value, int) \
+                    and value > _MAX_SIZE:
+                raise ValueError(f"parallelism: {key}={value} is beyond any job; valid: "
+                                 f"1-{_MAX_SIZE}")
+        for key in ("sequence_parallel", "zero1"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"parallelism: {key}={getattr(self, key)!r} must be True or "
+                                 "False")
+        if not isinstance(self.schedule, str) or self.schedule not in _SCHEDULES:
             raise ValueError(
                 f"pipeline schedule {self.schedule!r} is not known; valid: {', '.join(_SCHEDULES)}")
         if self.microbatches is not None:
             _positive("parallelism", microbatches=self.microbatches)
+            if self.pp == 1:
+                raise ValueError(
+                    f"parallelism: microbatches={self.microbatches} applies to a pipeline, "
+                    "but pp=1; set pp > 1 or leave microbatches unset")
         if self.schedule == "gpipe" and self.pp > 1 and self.microbatches is None:
             raise ValueError("schedule='gpipe' needs microbatches (how many are in flight)")
 
@@ -332,6 +373,10 @@ class Parallelism:
     def resolve(self, device: DeviceSpec | None) -> Parallelism:
         """Fill ``fsdp=-1`` and check the degrees cover ``device.cores x hosts`` exactly."""
         total = device.cores * self.hosts if device is not None and device.cores else None
+        if total is not None and total > _MAX_SIZE:
+            raise ValueError(
+                f"parallelism: {device.cores} cores x hosts={self.hosts} = {total} cores is "  # type: ignore[union-attr]
+                f"beyond any job; valid: at most {_MAX_SIZE} cores in all")
         par = self
         if self.fsdp == -1:
             if total is None:

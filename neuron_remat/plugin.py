@@ -23,12 +23,18 @@ the same answer.
 
 neuron_remat's provider (`provide`) answers only on a Neuron device (detected, or set by
 ``NEURON_REMAT_DEVICE``) and never for pipelined stacks; ``NEURON_REMAT_DISABLE=1`` turns
-it off. Inside it, a failure logs one warning and returns None, so the host's default
-stands, unless ``NEURON_REMAT_STRICT=1``.
+it off. Inside it, a failure logs one warning (once per process per cause, whatever the
+number of threads or layers) and returns None, so the host's default stands, unless
+``NEURON_REMAT_STRICT=1``.
+
+With more than one JAX process, every resolution is checked across the processes (see
+`neuron_remat.multihost`): a process that resolved a different policy is a
+`PolicyMismatchError`, strict or not, since the processes would compile different programs.
 """
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -39,14 +45,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import models, planner, policies
+from . import models, multihost, planner, policies
 from .device import _ENV_KEYS as _DEVICE_ENV
 from .device import DeviceSpec, detect
+from .multihost import PolicyMismatchError
 
 __all__ = [
     "GROUP",
     "STACK_KINDS",
     "DeferredPolicy",
+    "PolicyMismatchError",
+    "PROVIDER_NAME",
     "RematChoice",
     "checkpoint",
     "clear_cache",
@@ -60,10 +69,43 @@ GROUP = "jax_remat_policy"
 STACK_KINDS = ("stacked", "repeated", "pipelined")
 DISABLE_ENV = "NEURON_REMAT_DISABLE"
 STRICT_ENV = "NEURON_REMAT_STRICT"
+PROVIDER_NAME = "neuron_remat"  # this package's entry-point name (setup.cfg)
+
+
+_ON = ("1", "true", "yes", "on")
+_OFF = ("", "0", "false", "no", "off")
 
 
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    """An on/off environment switch. A value that is neither (``2``, ``enabled``) is
+    reported once and read as off: the host must not crash over a typo."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if value in _ON:
+        return True
+    if value not in _OFF:
+        _warn_once(("switch", name, raw), "neuron_remat: %s=%r is not a switch; valid: %s to "
+                   "turn it on, %s to turn it off; reading it as off", name, raw[:40],
+                   "/".join(_ON), "/".join(v for v in _OFF if v))
+    return False
+
+
+_WARNED: set[tuple[str, ...]] = set()
+_WARNED_LOCK = threading.Lock()
+
+
+def _warn_once(cause: tuple[str, ...], message: str, *args: Any) -> None:
+    """Log `message` as a warning the first time this process meets `cause`, and at debug
+    level after that, so a host asking from 16 threads or for 80 layers sees it once."""
+    with _WARNED_LOCK:
+        first = cause not in _WARNED
+        _WARNED.add(cause)
+    logger.log(logging.WARNING if first else logging.DEBUG, message, *args)
+
+
+# Set while resolve_policy asks the providers: it checks the final answer across processes,
+# so the provider need not check its own as well.
+_IN_RESOLVE: contextvars.ContextVar[bool] = contextvars.ContextVar("_in_resolve", default=False)
 
 
 @dataclass(frozen=True)
@@ -88,8 +130,20 @@ def default_prevent_cse(stack: str) -> bool:
 
 
 def _check_stack(stack: str) -> None:
-    if stack not in STACK_KINDS:
+    if not isinstance(stack, str) or stack not in STACK_KINDS:
         raise ValueError(f"stack={stack!r} is not a stack kind; valid: {', '.join(STACK_KINDS)}")
+
+
+def _cse(stack: str, prevent_cse: bool | None) -> bool:
+    """The ``prevent_cse`` to use: the caller's (a bool, not a truthy string), or the
+    stack's usual value."""
+    _check_stack(stack)
+    if prevent_cse is None:
+        return default_prevent_cse(stack)
+    if not isinstance(prevent_cse, bool):
+        raise ValueError(f"prevent_cse={prevent_cse!r} must be True, False or None (the "
+                         "stack's usual value)")
+    return prevent_cse
 
 
 # --------------------------------------------------------------------------------------
@@ -108,8 +162,9 @@ def _providers(group: str) -> tuple[tuple[str, Callable[..., Any]], ...]:
         except Exception as err:  # noqa: BLE001  a broken provider must not break the host
             if _flag(STRICT_ENV):
                 raise
-            logger.warning("remat policy provider %r (%s) failed to load: %s", ep.name,
-                           ep.value, err)
+            _warn_once(("load", ep.name, type(err).__name__, str(err)),
+                       "remat policy provider %r (%s) failed to load: %s", ep.name, ep.value,
+                       err)
     return tuple(found)
 
 
@@ -119,16 +174,35 @@ def resolve_policy(*, default: Callable[..., Any] | None = None, layer: str | No
     """The host side of the protocol: ask every provider in `group`, sorted by name, and
     take the first answer; with none, the host's `default` (and `prevent_cse`, or the
     stack's usual value) stands."""
-    _check_stack(stack)
-    cse = default_prevent_cse(stack) if prevent_cse is None else prevent_cse
+    cse = _cse(stack, prevent_cse)
+    token = _IN_RESOLVE.set(True)
+    try:
+        choice = _ask_providers(default, layer, stack, cse, group, context)
+    finally:
+        _IN_RESOLVE.reset(token)
+    multihost.agree(choice.policy, choice.prevent_cse, what=_site(layer, stack),
+                    context={"group": group, "layer": layer, "stack": stack,
+                             "prevent_cse": prevent_cse, "default": default, **context})
+    return choice
+
+
+def _site(layer: str | None, stack: str) -> str:
+    return f"layer {layer!r} ({stack})" if layer else f"an unnamed {stack} layer"
+
+
+def _ask_providers(default: Any, layer: str | None, stack: str, cse: bool, group: str,
+                   context: dict[str, Any]) -> RematChoice:
     for name, provider in _providers(group):
         try:
             answer = provider(default=default, layer=layer, stack=stack, **context)
+        except PolicyMismatchError:
+            raise
         except Exception as err:  # noqa: BLE001
             if _flag(STRICT_ENV):
                 raise
-            logger.warning("remat policy provider %r raised %s: %s; ignoring it", name,
-                           type(err).__name__, err)
+            _warn_once(("provider", name, type(err).__name__, str(err)),
+                       "remat policy provider %r raised %s: %s; ignoring it", name,
+                       type(err).__name__, err)
             continue
         if answer is None:
             continue
@@ -160,13 +234,18 @@ def _freeze(obj: Any) -> Any:
 
 _LOCK = threading.Lock()
 _RESULTS: dict[Any, RematChoice | None] = {}
+_PLANNING: dict[Any, threading.Lock] = {}  # one thread plans a context; the rest wait for it
 
 
 def clear_cache() -> None:
-    """Forget resolved answers (after changing the environment in a running process).
-    Layers already wrapped and traced keep the policy they resolved."""
+    """Forget resolved answers and the warnings already given (after changing the
+    environment in a running process). Layers already wrapped and traced keep the policy
+    they resolved."""
     with _LOCK:
         _RESULTS.clear()
+        _PLANNING.clear()
+    with _WARNED_LOCK:
+        _WARNED.clear()
     _providers.cache_clear()
 
 
@@ -181,35 +260,59 @@ def provide(*, default: Any = None, layer: str | None = None, stack: str = "stac
     (``"axlearn"``, ``"maxtext"`` or a `TagNames`) or the tag names it emits, which the
     answer is then checked against. Answers are cached per context.
 
-    A failure here is a deterministic function of the context and the device, so every
-    process of a multi-host job falls back to the host's default alike.
+    With several JAX processes the answer (None included) is checked against every other
+    process's (`neuron_remat.multihost.agree`) unless `resolve_policy` is asking, which
+    checks its final answer itself.
     """
     if _flag(DISABLE_ENV):
-        return None
+        answer = None
+    else:
+        answer = _provide_cached(layer, stack, model, tags, shape, parallelism, device)
+    if not _IN_RESOLVE.get():
+        multihost.agree(answer.policy if answer else None,
+                        answer.prevent_cse if answer else None, what=_site(layer, stack),
+                        context={"provider": PROVIDER_NAME, "layer": layer, "stack": stack,
+                                 "model": model, "tags": tags, "shape": shape,
+                                 "parallelism": parallelism, "device": device, **unknown})
+    return answer
+
+
+def _provide_cached(layer: str | None, stack: str, model: Any, tags: Any, shape: Any,
+                    parallelism: Any, device: DeviceSpec | None) -> RematChoice | None:
     try:
         env = tuple(os.environ.get(k) for k in (*_DEVICE_ENV, STRICT_ENV))
         key: Any = (layer, stack, _freeze(model), _freeze(tags), _freeze(shape),
                     _freeze(parallelism), device, env)
         hash(key)
     except Exception:  # noqa: BLE001  an odd context is planned, just not cached
-        key = None
-    if key is not None:
+        return _provide_logged(layer, stack, model, tags, shape, parallelism, device)
+    with _LOCK:
+        if key in _RESULTS:
+            return _RESULTS[key]
+        planning = _PLANNING.setdefault(key, threading.Lock())
+    with planning:  # 16 threads asking at once plan (and warn) once
         with _LOCK:
             if key in _RESULTS:
                 return _RESULTS[key]
+        answer = _provide_logged(layer, stack, model, tags, shape, parallelism, device)
+        with _LOCK:
+            _RESULTS[key] = answer
+            _PLANNING.pop(key, None)
+    return answer
+
+
+def _provide_logged(layer: str | None, stack: str, model: Any, tags: Any, shape: Any,
+                    parallelism: Any, device: DeviceSpec | None) -> RematChoice | None:
     try:
-        answer = _provide(layer, stack, model, tags, shape, parallelism, device)
+        return _provide(layer, stack, model, tags, shape, parallelism, device)
     except Exception as err:  # noqa: BLE001
         if _flag(STRICT_ENV):
             raise
-        logger.warning("neuron_remat could not choose a remat policy for %s (%s: %s); "
-                       "the host's default policy stands", layer or "this layer",
-                       type(err).__name__, err)
-        answer = None
-    if key is not None:
-        with _LOCK:
-            _RESULTS[key] = answer
-    return answer
+        _warn_once(("provide", type(err).__name__, str(err)),
+                   "neuron_remat could not choose a remat policy for %s (%s: %s); the "
+                   "host's default policy stands", layer or "this layer",
+                   type(err).__name__, err)
+        return None
 
 
 def _vocabulary(tags: Any) -> tuple[models.TagNames | None, list[str] | None]:
@@ -252,7 +355,8 @@ def _provide(layer: str | None, stack: str, model: Any, tags: Any, shape: Any,
         if names is not None and not any(policy.action(t) == "save" for t in names):
             raise ValueError(f"the trn2-fuji-70b preset matches none of the tags {names}; "
                              "describe the model (model=...) so a policy can be planned")
-        return RematChoice(policy, cse, reason="no model described: axlearn's TRN2 preset")
+        return RematChoice(policy, cse, PROVIDER_NAME,
+                           reason="no model described: axlearn's TRN2 preset")
     config = _as_config(model, vocab)
     step = _as_shape(shape, config)
     par = _as_parallelism(parallelism)
@@ -260,7 +364,8 @@ def _provide(layer: str | None, stack: str, model: Any, tags: Any, shape: Any,
     _check_names(chosen.policy, names)
     logger.info("neuron_remat: %s on %s saves %s (%.2f%% recompute)", layer or config.name,
                 device.describe(), list(chosen.saved_tags) or "nothing", 100 * chosen.overhead)
-    return RematChoice(chosen.policy, cse, reason=f"planned for {config.name}", plan=chosen)
+    return RematChoice(chosen.policy, cse, PROVIDER_NAME, reason=f"planned for {config.name}",
+                       plan=chosen)
 
 
 def _as_config(model: Any, vocab: models.TagNames | None = None) -> models.TransformerConfig:
@@ -376,8 +481,7 @@ def remat_args(stack: str, prevent_cse: bool | None, default: Any,
                context: Mapping[str, Any]) -> tuple[bool, DeferredPolicy]:
     """What an adapter passes to its host's remat: ``prevent_cse`` (the stack's usual value
     unless given) and a `DeferredPolicy` for `context`."""
-    _check_stack(stack)
-    cse = default_prevent_cse(stack) if prevent_cse is None else prevent_cse
+    cse = _cse(stack, prevent_cse)
     return cse, deferred(default, stack=stack, **context)
 
 
