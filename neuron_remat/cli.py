@@ -60,9 +60,10 @@ def _device_for_plan(text: str) -> tuple[dev.DeviceSpec, str | None]:
 
 
 def _model(text: str) -> models.TransformerConfig:
-    if os.path.isfile(text):
-        with open(text, encoding="utf-8") as fh:
-            return models.from_hf_config(json.load(fh), name=os.path.basename(text))
+    # A path (an existing file or directory, or anything shaped like one) is a config.json:
+    # a missing one is reported as missing, not as an unknown model name.
+    if os.path.exists(text) or text.endswith(".json") or os.sep in text or "/" in text:
+        return models.load_hf_config(text)
     return models.get_model(text)
 
 

@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 _DTYPE_BYTES = {
     "float64": 8, "float32": 4, "bfloat16": 2, "float16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "bool": 1,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "int32": 4, "int8": 1, "bool": 1,
 }
 
 
