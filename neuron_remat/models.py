@@ -774,7 +774,9 @@ class _Fields:
         return value
 
     def str(self, key: str, default: str | None = None) -> str | None:
-        value = self.cfg.get(key, default)
+        value = self.cfg.get(key)
+        if value is None:
+            return default
         if value is not None and not isinstance(value, str):
             raise self._fail(key, value, "give a string")
         return value
@@ -893,6 +895,15 @@ def from_hf_config(cfg: Mapping[str, Any], *, name: str | None = None,
     """
     if not isinstance(cfg, Mapping):
         raise ValueError(f"{source}: holds {_short(cfg)}, not a JSON object of model settings")
+    try:
+        return _from_hf_config(cfg, name, source, text_only, overrides)
+    except ValueError as err:
+        text = str(err)
+        raise ValueError(text if text.startswith(source) else f"{source}: {text}") from None
+
+
+def _from_hf_config(cfg: Mapping[str, Any], name: str | None, source: str, text_only: bool,
+                    overrides: dict[str, Any]) -> TransformerConfig:
     f = _Fields(cfg, source)
     model_type = f.str("model_type", "") or ""
     text = _check_modelled(cfg, source, model_type, text_only)
