@@ -90,7 +90,8 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
     seq_par = args.tp > 1 if args.sequence_parallel is None else args.sequence_parallel
     par = models.Parallelism(tp=args.tp, sequence_parallel=seq_par, fsdp=args.fsdp,
                          dp=args.dp, pp=args.pp, schedule=args.schedule,
-                         microbatches=args.microbatches, zero1=args.zero1, hosts=args.hosts)
+                         microbatches=args.microbatches, zero1=args.zero1, hosts=args.hosts,
+                         ep=args.ep)
     device, note = _device_for_plan(args.device)
     reserve: float | int | None = None
     if args.reserve is not None:
@@ -293,6 +294,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--fsdp", type=int, default=-1, help="FSDP degree; -1 fills the rest")
     pl.add_argument("--dp", type=int, default=1)
     pl.add_argument("--pp", type=int, default=1)
+    pl.add_argument("--ep", type=int, default=1,
+                    help="expert-parallel degree (MoE models), out of the fsdp x dp cores")
     pl.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
     pl.add_argument("--microbatches", type=int)
     pl.add_argument("--zero1", action="store_true", help="shard optimizer state over dp")

@@ -279,7 +279,17 @@ def _layers_per_core(config: TransformerConfig, par: Parallelism) -> float:
     tp, shards = par.tp, par.tp * par.fsdp
     mult = 3 if config.gated_ffn else 2
     norms = (4 if config.sandwich_norm else 2) * config.hidden * (1 if config.norm == "rms" else 2)
-    attn = config.attention_params() / tp  # latent down-projections counted as split too
+    h, m = config.hidden, config.mla
+    if m is not None:  # the latent down-projections and their norms are replicated over tp
+        replicated = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + (
+            h * m.q_lora_rank + m.q_lora_rank if m.q_lora_rank else 0)
+        attn = (config.attention_params() - replicated) / tp + replicated
+    else:  # k and v are replicated when tp > kv_heads
+        assert config.kv_heads is not None and config.head_dim is not None
+        kv = config.kv_heads // tp if config.kv_heads % tp == 0 else 1
+        kv_params = 2 * h * config.head_dim * config.kv_heads + (
+            2 * config.head_dim * config.kv_heads if config.qkv_bias else 0)
+        attn = (config.attention_params() - kv_params) / tp + kv_params * kv / config.kv_heads
     dense = mult * config.hidden * config.ffn
     best = 0.0
     for stage in stage_mix(config, par.pp):

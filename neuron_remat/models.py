@@ -821,7 +821,7 @@ def _check_modelled(cfg: Mapping[str, Any], source: str, model_type: str,
             return text
         what = (f"model_type {model_type!r} has a vision or audio tower ({', '.join(vision)})"
                 if vision else f"model_type {model_type!r} nests its model in text_config")
-        hint = (" (pass text_only=True, or --text-only, to plan its text decoder alone)"
+        hint = (" (pass text_only=True to plan its text decoder alone)"
                 if isinstance(text, Mapping) else "")
         return _raise(_refuse(source, what + hint))
     return None

@@ -182,9 +182,11 @@ class _Builder:
         experts = self.val("gate_assignment", (t, k), "gate_assignment", dtype="int32")
         self.op("top_k_indices", (scores,), experts, 0)
         self.op("top_k", (scores,), weights, 0, needs=(experts,))
-        # Buffer slots in token order (a cumulative count per expert), as int32 indices.
+        # Buffer slots in token order (a cumulative count per expert), as int32 indices;
+        # the FLOPs are as XLA counts the one-hot cumulative sum (a log-depth scan),
+        # fitted on its CPU backend: negligible beside the experts at any real size.
         slots = self.val("slots", (t * k + local * cap,), dtype="int32")
-        self.op("route", (experts,), slots, 5 * t * k * e + 3 * t * k)
+        self.op("route", (experts,), slots, 22 * t * k * e + 16 * t * k)
         xs = self.val("dispatched", (local, cap, h))
         self.op("dispatch", (n2, slots), xs, 0, needs=(slots,))
         a = self.matmul("moe_linear1_0", xs, (local, cap, f), h, "moe_linear1_0", batch=True)
