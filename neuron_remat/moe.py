@@ -175,8 +175,8 @@ class _Builder:
         rows, f = local * cap, moe.expert_ffn // par.tp  # tokens per expert per core: cap
         logits = self.matmul("router", n2, (t, e), h, None)
         scores = self.val("router_probs", (t, e), dtype="float32")
-        sm = 5 if moe.router == "softmax" else 4
-        self.op("router_scores", (logits,), scores, sm * t * e + t,
+        score_flops = 4 * t * e - t if moe.router == "softmax" else 3 * t * e
+        self.op("router_scores", (logits,), scores, score_flops,
                 internal=(("router score pieces (float32)", 2 * t * e * 4 + 2 * t * 4),))
         weights = self.val("gate_weights", (t, k), "gate_weights", dtype="float32")
         experts = self.val("gate_assignment", (t, k), "gate_assignment", dtype="int32")
