@@ -67,7 +67,12 @@ logger = logging.getLogger(__name__)
 
 def layer_graph(config: TransformerConfig, shape: StepShape,
                 parallelism: Parallelism | None = None) -> LayerGraph:
-    """Build the per-core graph of one layer of `config`."""
+    """Build the per-core graph of one layer of `config` (for a model with experts or
+    latent attention: `moe.layer_graph`, the kind most of its layers are)."""
+    if config.moe is not None or config.mla is not None:
+        from . import moe  # noqa: PLC0415
+
+        return moe.layer_graph(config, shape, parallelism)
     par = parallelism or Parallelism()
     par.check(config, shape)
     assert config.kv_heads is not None and config.head_dim is not None
@@ -194,7 +199,12 @@ def layer_footprint(config: TransformerConfig, shape: StepShape,
                     parallelism: Parallelism | None = None) -> Footprint:
     """Per-tag bytes and recompute FLOPs for one layer on one core (analytic).
 
-    Keys are the tag names the host emits (``q_proj``, ... in `config.tags`)."""
+    Keys are the tag names the host emits (``q_proj``, ... in `config.tags`). A model with
+    experts or latent attention gets `moe.layer_footprint` (every layer kind, one save set)."""
+    if config.moe is not None or config.mla is not None:
+        from . import moe  # noqa: PLC0415
+
+        return moe.layer_footprint(config, shape, parallelism)
     graph = layer_graph(config, shape, parallelism)
     full = graph.evaluate_roles(())
     by_role = graph.role_values()
@@ -265,6 +275,8 @@ def model_state_bytes(config: TransformerConfig, shape: StepShape,
         + h * (2 if config.norm == "rms" else 4)  # norms are replicated over tp
     ) / fsdp
     layers = config.layers // par.pp
+    if config.moe is not None or config.mla is not None:
+        layers, per_layer = 1, _layers_per_core(config, par)
     emb = config.vocab * h / (tp * fsdp)
     embeddings = emb * (1 if config.tie_embeddings or par.pp > 1 else 2) + h
     params = int(math.ceil(layers * per_layer + embeddings))
@@ -272,6 +284,41 @@ def model_state_bytes(config: TransformerConfig, shape: StepShape,
     opt = shape.optimizer_bytes_per_param() / (par.dp if par.zero1 else 1)
     return ModelState(params_bytes=params * pbytes, grads_bytes=params * pbytes,
                       optimizer_bytes=int(params * opt), params_per_core=params)
+
+
+def _layers_per_core(config: TransformerConfig, par: Parallelism) -> float:
+    """Layer parameters one core holds, for a model with experts or latent attention: the
+    fullest pipeline stage; attention and dense feed-forward split over ``tp x fsdp``,
+    routed experts over `Parallelism.expert_shards` (``tp x ep x`` what fsdp has left)."""
+    from .moe import stage_mix  # noqa: PLC0415
+
+    tp, shards = par.tp, par.tp * par.fsdp
+    mult = 3 if config.gated_ffn else 2
+    norms = (4 if config.sandwich_norm else 2) * config.hidden * (1 if config.norm == "rms" else 2)
+    h, m = config.hidden, config.mla
+    if m is not None:  # the latent down-projections and their norms are replicated over tp
+        replicated = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + (
+            h * m.q_lora_rank + m.q_lora_rank if m.q_lora_rank else 0)
+        attn = (config.attention_params() - replicated) / tp + replicated
+    else:  # k and v are replicated when tp > kv_heads
+        assert config.kv_heads is not None and config.head_dim is not None
+        kv = config.kv_heads // tp if config.kv_heads % tp == 0 else 1
+        kv_params = 2 * h * config.head_dim * config.kv_heads + (
+            2 * config.head_dim * config.kv_heads if config.qkv_bias else 0)
+        attn = (config.attention_params() - kv_params) / tp + kv_params * kv / config.kv_heads
+    dense = mult * config.hidden * config.ffn
+    best = 0.0
+    for stage in stage_mix(config, par.pp):
+        total = stage.get("dense", 0) * ((attn + norms) * tp + dense) / shards
+        if "moe" in stage:
+            moe = config.moe
+            assert moe is not None
+            routed = moe.experts * mult * config.hidden * moe.expert_ffn
+            rest = config.ffn_params("moe") - routed
+            total += stage["moe"] * (((attn + norms) * tp + rest) / shards
+                                     + routed / par.expert_shards())
+        best = max(best, total)
+    return best
 
 
 DEFAULT_RESERVE_FRACTION = 0.10
@@ -340,6 +387,12 @@ def budget(device: DeviceSpec, config: TransformerConfig, shape: StepShape,
     state = model_state_bytes(config, shape, par)
     graph = layer_graph(config, shape, par)
     workspace = max(graph.no_remat_bytes(), head_bytes(config, shape, par))
+    if config.moe is not None or config.mla is not None:
+        from . import moe  # noqa: PLC0415
+
+        workspace = max([head_bytes(config, shape, par)] + [
+            g.no_remat_bytes() for g in moe.layer_graphs(config, shape, par).values()]) + \
+            moe.all_to_all_bytes(config, shape, par)
     return Budget(hbm_bytes=device.hbm_bytes_per_core, state=state,
                   reserve_bytes=reserve_bytes(device, reserve), workspace_bytes=workspace,
                   layers_per_core=config.layers // par.pp, inflight=par.inflight)

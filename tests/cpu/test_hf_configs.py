@@ -1,0 +1,194 @@
+"""Hugging Face config.json loading: exact parameter counts per family, refusal of what is
+not modelled, and typed validation of every field (with hypothesis properties)."""
+
+import json
+import pathlib
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import neuron_remat as nr
+from neuron_remat import models
+from neuron_remat.cli import main
+
+DATA = pathlib.Path(__file__).parent / "data"
+
+# Published totals (tests/cpu/data/SOURCES.md says where each comes from).
+PUBLISHED = {
+    "mixtral-8x7b.json": 46.7e9, "qwen3-30b-a3b.json": 30.5e9,
+    "qwen1.5-moe-a2.7b.json": 14.3e9, "deepseek-v2-lite.json": 15.7e9,
+    "deepseek-v3.json": 671e9, "gemma-2-9b.json": 9.24e9, "gemma-3-1b.json": 1.0e9,
+    "llama-3-8b.json": 8.03e9, "mistral-7b.json": 7.24e9, "qwen2.5-7b.json": 7.61e9,
+}
+ACTIVE = {"mixtral-8x7b.json": 12.9e9, "qwen3-30b-a3b.json": 3.3e9,
+          "deepseek-v3.json": 37e9}  # V2-Lite's 2.4B counts embeddings differently
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_param_count_within_half_a_percent_of_published(name):
+    cfg = models.load_hf_config(DATA / name)
+    assert cfg.param_count() == pytest.approx(PUBLISHED[name], rel=0.005)
+    if name in ACTIVE:  # active counts are published to two figures
+        assert cfg.active_param_count() == pytest.approx(ACTIVE[name], rel=0.05)
+
+
+def test_llama4_scout_text_decoder():
+    path = DATA / "llama4-scout.json"
+    with pytest.raises(ValueError, match="vision or audio tower.*text_only=True"):
+        models.load_hf_config(path)
+    cfg = models.load_hf_config(path, text_only=True)
+    # 109B on the model card includes the vision encoder; the text decoder is ~107.8B.
+    assert 107.0e9 < cfg.param_count() < 109.0e9
+    assert cfg.param_count() == nr.get_model("llama4-scout").param_count()
+    assert cfg.active_param_count() == pytest.approx(17e9, rel=0.02)
+    assert cfg.moe.experts == 16 and cfg.moe.shared_ffn == 8192 and not cfg.moe.dense_layers
+
+
+def test_families_are_read_with_their_own_structure():
+    ds = models.load_hf_config(DATA / "deepseek-v2-lite.json")
+    assert ds.mla.q_lora_rank == 0 and ds.mla.kv_lora_rank == 512 and ds.head_dim == 192
+    assert ds.moe.dense_layers == (0,) and ds.moe.shared_ffn == 2 * 1408
+    assert ds.layer_kinds() == {"dense": 1, "moe": 26}
+    v3 = models.load_hf_config(DATA / "deepseek-v3.json")
+    assert v3.moe.router == "sigmoid" and v3.moe.router_bias and v3.moe.dense_layers == (0, 1, 2)
+    assert v3.param_count() == nr.get_model("deepseek-v3").param_count()
+    gemma = models.load_hf_config(DATA / "gemma-2-9b.json")
+    assert gemma.tie_embeddings and gemma.activation == "gelu_tanh" and gemma.sandwich_norm
+    qwen = models.load_hf_config(DATA / "qwen2.5-7b.json")
+    assert qwen.qkv_bias and not qwen.tie_embeddings
+    q15 = models.load_hf_config(DATA / "qwen1.5-moe-a2.7b.json")
+    assert q15.moe.shared_gate and q15.moe.shared_ffn == 5632
+    assert models.load_hf_config(DATA / "mixtral-8x7b.json").param_count() == \
+        nr.get_model("mixtral-8x7b").param_count()
+    assert models.load_hf_config(DATA / "qwen3-30b-a3b.json").param_count() == \
+        nr.get_model("qwen3-30b-a3b").param_count()
+
+
+BASE = json.loads((DATA / "llama-3-8b.json").read_text())
+
+
+@pytest.mark.parametrize("cfg, words", [
+    ({"model_type": "mamba", "hidden_size": 768, "state_size": 16, "num_hidden_layers": 24,
+      "vocab_size": 50280}, ["state-space", "traced_footprint", "fit"]),
+    ({**BASE, "model_type": "jamba", "mamba_d_state": 16}, ["'jamba'", "state-space"]),
+    ({"model_type": "t5", "d_model": 512, "num_layers": 6, "is_encoder_decoder": True},
+     ["encoder-decoder", "traced_footprint"]),
+    ({"model_type": "llava", "vision_config": {}, "text_config": dict(BASE)},
+     ["vision", "text_only=True"]),
+    ({**BASE, "model_type": "falcon7", "multi_query": True, "parallel_attn": True},
+     ["'falcon7'", "multi_query", "parallel_attn", "traced_footprint"]),
+    ({**BASE, "num_local_experts": 8}, ["'llama' is dense", "num_local_experts"]),
+    ({**BASE, "hidden_act": "swiglu_fancy"}, ["hidden_act='swiglu_fancy'", "gelu_pytorch_tanh"]),
+])
+def test_unmodelled_architectures_are_refused(cfg, words):
+    with pytest.raises(ValueError) as err:
+        models.from_hf_config(cfg, source="x/config.json")
+    text = str(err.value)
+    assert "\n" not in text and "x/config.json" in text
+    for word in words:
+        assert word in text
+
+
+def test_unknown_family_with_only_generic_keys_is_llama_like():
+    cfg = models.from_hf_config({**BASE, "model_type": "my_llama"})
+    assert cfg.param_count() == nr.get_model("llama3-8b").param_count()
+
+
+def test_relu_and_tied_embeddings_are_read_not_assumed():
+    assert models.from_hf_config({**BASE, "hidden_act": "relu"}).activation == "relu"
+    assert models.from_hf_config({**BASE, "tie_word_embeddings": True}).tie_embeddings
+    with pytest.raises(ValueError, match="tie_word_embeddings='false'.*true or false"):
+        models.from_hf_config({**BASE, "tie_word_embeddings": "false"})
+
+
+@pytest.mark.parametrize("content, words", [
+    (b"", ["is empty"]),
+    (b"{not json", ["is not JSON", "line 1"]),
+    (b"null", ["holds None", "JSON object"]),
+    (b"[1, 2]", ["not a JSON object"]),
+    (b"\xff\xfe", ["not UTF-8"]),
+    (json.dumps({**BASE, "num_attention_heads": 0}).encode(), ["num_attention_heads=0"]),
+    (json.dumps({**BASE, "num_attention_heads": 1000000007}).encode(), ["not divisible"]),
+    (json.dumps({**BASE, "hidden_size": "4096"}).encode(), ["hidden_size='4096'", "string"]),
+    (json.dumps({**BASE, "hidden_size": 4096.0}).encode(), ["hidden_size=4096.0"]),
+    (json.dumps({**BASE, "hidden_size": "\u0664\u0660\u0669\u0666"}).encode(), ["hidden_size="]),
+    (json.dumps({**BASE, "num_hidden_layers": True}).encode(), ["num_hidden_layers=True"]),
+])
+def test_bad_files_are_one_line_errors_naming_the_file(tmp_path, content, words):
+    path = tmp_path / "config.json"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as err:
+        models.load_hf_config(path)
+    text = str(err.value)
+    assert "\n" not in text and str(path) in text
+    for word in words:
+        assert word in text
+
+
+def test_cli_names_a_missing_file_and_never_shows_a_traceback(tmp_path, capsys):
+    assert main(["plan", "--model", str(tmp_path / "nope.json")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    bad = tmp_path / "config.json"
+    bad.write_text(json.dumps({**BASE, "num_attention_heads": 0}))
+    assert main(["plan", "--model", str(bad), "--seq-len", "128", "--json"]) == 2
+    assert "num_attention_heads=0" in json.loads(capsys.readouterr().out)["error"]
+    assert main(["plan", "--model", str(DATA / "deepseek-v2-lite.json"), "--seq-len", "4096",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["budget"]["state_bytes"] > 0
+
+
+# --- properties ----------------------------------------------------------------------------
+
+INT_KEYS = ["hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "num_hidden_layers", "vocab_size", "head_dim"]
+NOT_INT = st.one_of(st.text(max_size=12), st.floats(allow_nan=True), st.booleans(),
+                    st.lists(st.integers(), max_size=3), st.integers(max_value=0),
+                    st.integers(min_value=1 << 31, max_value=1 << 70),
+                    st.text(alphabet="\u0660\u0661\u0662\u06f3\u0967\uff14", min_size=1, max_size=6))
+
+
+@settings(max_examples=300, deadline=None)
+@given(key=st.sampled_from(INT_KEYS), value=NOT_INT)
+def test_any_non_integer_in_an_int_field_is_an_error_naming_it(key, value):
+    if key in ("num_key_value_heads", "head_dim") and value is None:
+        return
+    with pytest.raises(ValueError) as err:
+        models.from_hf_config({**BASE, key: value}, source="f/config.json")
+    text = str(err.value)
+    assert key in text and "f/config.json" in text and "\n" not in text
+
+
+@settings(max_examples=200, deadline=None)
+@given(heads=st.integers(1, 64), per_head=st.integers(1, 64), kv_div=st.integers(1, 8),
+       ffn=st.integers(1, 10**5), layers=st.integers(1, 200), vocab=st.integers(1, 10**6),
+       tie=st.booleans())
+def test_valid_integer_fields_load_and_count_exactly(heads, per_head, kv_div, ffn, layers,
+                                                     vocab, tie):
+    kv = heads // kv_div if heads % kv_div == 0 and heads // kv_div else heads
+    cfg = models.from_hf_config({"model_type": "llama", "hidden_size": heads * per_head,
+                                 "num_attention_heads": heads, "num_key_value_heads": kv,
+                                 "intermediate_size": ffn, "num_hidden_layers": layers,
+                                 "vocab_size": vocab, "tie_word_embeddings": tie})
+    h = heads * per_head
+    expected = layers * (h * per_head * (2 * heads + 2 * kv) + 3 * h * ffn + 2 * h) + \
+        vocab * h * (1 if tie else 2) + h
+    assert cfg.param_count() == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=st.one_of(st.text(max_size=16), st.integers(), st.floats(), st.none()))
+def test_activation_and_bool_fields_accept_only_what_is_known(value):
+    known = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+             "gelu_new": "gelu_tanh", "gelu_fast": "gelu_tanh", "gelu_python": "gelu",
+             "relu": "relu"}
+    if value is None or value in known:
+        cfg = models.from_hf_config({**BASE, "hidden_act": value})
+        assert cfg.activation == known.get(value, "silu")
+    else:
+        with pytest.raises(ValueError, match="hidden_act"):
+            models.from_hf_config({**BASE, "hidden_act": value})
+    if value is None:
+        return
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        models.from_hf_config({**BASE, "tie_word_embeddings": value})
