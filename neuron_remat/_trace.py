@@ -15,7 +15,7 @@ import numpy as np
 from jax._src.ad_checkpoint import name_p, saved_residuals, save_only_these_names
 from jax.extend import core as jcore
 
-from .graph import Footprint, TagCost
+from .graph import Footprint, LayerGraph, Op, TagCost, Value
 
 NAME_PRIMITIVE = str(name_p)
 
@@ -166,6 +166,165 @@ def eqn_flops(eqn: Any) -> int:
         return per * int(math.prod(eqn.outvars[0].aval.shape))
     out = eqn.outvars[0].aval if eqn.outvars else None
     return int(math.prod(getattr(out, "shape", ()))) if out is not None else 0
+
+
+# --------------------------------------------------------------------------------------
+# The jaxpr builder of the layer graph.
+# --------------------------------------------------------------------------------------
+
+# Call-like equations whose body is inlined: their inside is ordinary dataflow that JAX's
+# remat partial evaluation splits equation by equation (its rules for these recurse).
+_INLINE = {"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat2", "remat",
+           "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+# Loops and branches stay single (opaque) ops: their FLOPs are their bodies' (a scan's times
+# its length, every cond branch added), and a loop that mixes primal and tangent inputs is
+# treated as part of the backward, which then reads all its primal inputs.
+_LOOPS = {"scan", "while", "cond"}
+
+
+def _inner(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        j = eqn.params.get(key)
+        if isinstance(j, jcore.ClosedJaxpr):
+            return j.jaxpr, j.consts
+        if isinstance(j, jcore.Jaxpr):
+            return j, ()
+    return None
+
+
+def _op_flops(eqn: Any) -> int:
+    if str(eqn.primitive) in _LOOPS:
+        return sum(eqn_flops(e) * m for sub, mult in _sub_jaxprs(eqn) for e, m in _walk(sub, mult))
+    return eqn_flops(eqn)
+
+
+def _itemsize(aval: Any) -> int:
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None:
+        return 0
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:  # extended dtypes (PRNG keys)
+        return int(getattr(dtype, "itemsize", 0) or 0)
+
+
+def jaxpr_graph(jaxpr: Any, *, unknown: Sequence[bool],
+                activation: Sequence[bool] | None = None) -> LayerGraph:
+    """The `LayerGraph` of a jaxpr split into a known (primal) and an unknown part.
+
+    `unknown[i]` says whether invar i is unknown (a tangent or cotangent) or known (a primal
+    value: a layer activation or a parameter). `activation[i]` says whether a known invar is
+    an activation, whose bytes count when the backward reads it (default: every known invar);
+    the others are parameters, kept at no cost. Give the JVP jaxpr of a layer (primals known,
+    tangents unknown) or the body of a differentiated ``remat`` (residuals known, cotangents
+    unknown).
+
+    Call-like equations (jit, closed_call, custom_jvp/vjp calls, nested checkpoints) are
+    inlined and ``optimization_barrier`` is the identity. Each equation whose inputs are all
+    known becomes an `Op` (FLOPs as XLA's cost analysis counts them, `eqn_flops`), each known
+    variable a `Value`, tagged with the ``checkpoint_name`` that produced it. The graph's
+    `reads` are the known variables that live unknown equations read: exactly what the
+    backward reads. Under a names policy, JAX's remat partial evaluation
+    (``pe.partial_eval_jaxpr_custom``) keeps such a value when it is an input or a saved
+    name, and otherwise recomputes its equation, whose inputs are read in turn: what
+    `LayerGraph.evaluate` computes. Every intermediate is explicit, so no `Op.internal`.
+    Loops and branches (scan, while, cond) are single opaque ops (see `_LOOPS`).
+    """
+    closed_consts: Sequence[Any] = ()
+    if isinstance(jaxpr, jcore.ClosedJaxpr):
+        jaxpr, closed_consts = jaxpr.jaxpr, jaxpr.consts
+    unknown = list(unknown)
+    if len(unknown) != len(jaxpr.invars):
+        raise ValueError(f"unknown has {len(unknown)} entries for {len(jaxpr.invars)} invars")
+    acts = [True] * len(unknown) if activation is None else list(activation)
+    if len(acts) != len(unknown):
+        raise ValueError(f"activation has {len(acts)} entries for {len(unknown)} invars")
+
+    values: dict[str, Value] = {}
+    unk: set[str] = set()
+    ops: list[Op] = []
+    staged: list[tuple[list[str], list[str], list[str]]] = []  # (unknown in, known in, out)
+    inputs: list[str] = []
+    params: list[str] = []
+    counter = [0]
+
+    def fresh(aval: Any, prefix: str = "v", role: str | None = None,
+              eqn: Any = None) -> str:
+        name = f"{prefix}{counter[0]}"
+        counter[0] += 1
+        dot = batch = False
+        if eqn is not None and str(eqn.primitive) == "dot_general":
+            dot = True
+            (_, _), (lb, _) = eqn.params["dimension_numbers"]
+            batch = bool(lb)
+        values[name] = Value(name, tuple(getattr(aval, "shape", ())),
+                             str(getattr(aval, "dtype", "")), role, dot=dot, batch_dot=batch,
+                             itemsize=_itemsize(aval) or 1)
+        return name
+
+    def const(aval: Any) -> str:
+        name = fresh(aval, "const")
+        params.append(name)
+        return name
+
+    def read(env: dict[Any, str | None], atom: Any) -> str | None:
+        return None if isinstance(atom, jcore.Literal) else env[atom]
+
+    def expand(jx: Any, env: dict[Any, str | None]) -> None:
+        for eqn in jx.eqns:
+            ins = [read(env, a) for a in eqn.invars]
+            prim = str(eqn.primitive)
+            inner = _inner(eqn) if prim in _INLINE else None
+            if inner is not None:
+                sub, consts = inner
+                subenv: dict[Any, str | None] = {cv: const(cv.aval) for cv in sub.constvars}
+                assert len(consts) in (0, len(sub.constvars))
+                subenv.update(zip(sub.invars, ins))
+                expand(sub, subenv)
+                for ov, so in zip(eqn.outvars, sub.outvars):
+                    env[ov] = read(subenv, so)
+                continue
+            if prim == "optimization_barrier":
+                env.update(zip(eqn.outvars, ins))
+                continue
+            named = is_name_primitive(eqn.primitive)
+            outs = [fresh(ov.aval, role=eqn.params["name"] if named else None, eqn=eqn)
+                    for ov in eqn.outvars]
+            env.update(zip(eqn.outvars, outs))
+            present = [n for n in ins if n is not None]
+            if not outs:
+                continue
+            if any(n in unk for n in present):
+                unk.update(outs)
+                staged.append(([n for n in present if n in unk],
+                               [n for n in present if n not in unk], outs))
+                for n in outs:  # unknown values are not part of the graph
+                    values.pop(n)
+            else:
+                ops.append(Op(f"{prim}:{len(ops)}", tuple(dict.fromkeys(present)), outs[0],
+                              _op_flops(eqn), more_outputs=tuple(outs[1:])))
+
+    env: dict[Any, str | None] = {cv: const(cv.aval) for cv in jaxpr.constvars}
+    del closed_consts
+    for i, (v, u, a) in enumerate(zip(jaxpr.invars, unknown, acts)):
+        if u:
+            name = f"d{i}"
+            unk.add(name)
+        else:
+            name = fresh(v.aval, "in")
+            (inputs if a else params).append(name)
+        env[v] = name
+    expand(jaxpr, env)
+
+    live = {n for n in (read(env, o) for o in jaxpr.outvars) if n is not None and n in unk}
+    reads: list[str] = []
+    for u_in, k_in, outs in reversed(staged):
+        if live.intersection(outs):
+            live.update(u_in)
+            reads.extend(reversed(k_in))
+    reads = list(dict.fromkeys(reversed(reads)))
+    return LayerGraph(values=values, ops=tuple(ops), inputs=tuple(inputs),
+                      params=tuple(params), reads=tuple(reads))
 
 
 @dataclass(frozen=True)
