@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax._src.ad_checkpoint import name_p, saved_residuals, save_only_these_names
+from jax._src.ad_checkpoint import name_p, saved_residuals
 from jax.extend import core as jcore
 
 from .graph import Footprint, LayerGraph, Op, TagCost, Value
@@ -374,70 +375,123 @@ def checkpointed(fn: Callable[..., Any], policy: Any, prevent_cse: bool = True
     return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
 
 
-def traced_footprint(fn: Callable[..., Any], *args: Any,
-                     activation_argnums: Sequence[int] = (0,),
-                     tags: Sequence[str] | None = None, **kwargs: Any) -> Footprint:
-    """Per-tag bytes and recompute FLOPs measured from `fn` itself.
+def activation_argnums(fn: Callable[..., Any], args: Sequence[Any],
+                       kwargs: dict[str, Any] | None = None) -> tuple[int, ...]:
+    """The positional argument that is the layer input: the one whose pytree structure,
+    shapes and dtypes match what `fn` returns (the scan carry). Every other argument is a
+    parameter. Raises ValueError, naming the candidates, when none or several match."""
+    kwargs = kwargs or {}
+    out = jax.eval_shape(lambda *a: fn(*a, **kwargs), *args)
 
-    For each tag `fn` emits: the bytes JAX keeps when only that tag is saved, beyond what
-    full remat keeps (from ``jax._src.ad_checkpoint.saved_residuals``), and the FLOPs of
-    the recomputation it avoids (from the linearized program). Arguments in
-    `activation_argnums` count as the layer's always-kept input; the others are parameters
-    (model state, not activations).
-    """
-    only = tags
-    acts = set(activation_argnums)
-    bad = [i for i in acts if not 0 <= i < len(args)]
+    def signature(tree: Any) -> tuple[Any, list[tuple[tuple[int, ...], str]]]:
+        leaves, struct = jax.tree.flatten(tree)
+        return struct, [(tuple(np.shape(leaf)), str(jnp.result_type(leaf))) for leaf in leaves]
+
+    want = signature(out)
+    found = [i for i, a in enumerate(args) if signature(a) == want]
+    if len(found) == 1:
+        return (found[0],)
+    shapes = [s for s, _ in want[1]]
+    described = ", ".join(f"{i}: {jax.tree.map(lambda a: tuple(np.shape(a)), a)}"
+                          for i, a in enumerate(args)) or "none"
+    if not found:
+        raise ValueError(
+            f"cannot tell which argument is the layer input: none matches the output "
+            f"({want[0]} with shapes {shapes}); arguments are {described}. Pass "
+            "activation_argnums=(i,) naming the layer input (the scan carry)")
+    raise ValueError(
+        f"cannot tell which argument is the layer input: arguments {found} all match the "
+        f"output ({want[0]} with shapes {shapes}). Pass activation_argnums=(i,) naming the "
+        "layer input (the scan carry)")
+
+
+def resolve_activation_argnums(fn: Callable[..., Any], args: Sequence[Any],
+                               kwargs: dict[str, Any] | None,
+                               given: Sequence[int] | int | None) -> tuple[int, ...]:
+    """`given` checked against the arguments, or inferred by `activation_argnums`."""
+    if given is None:
+        return activation_argnums(fn, args, kwargs)
+    nums = (given,) if isinstance(given, int) else tuple(given)
+    bad = [i for i in nums if not isinstance(i, int) or not 0 <= i < len(args)]
     if bad:
-        raise ValueError(f"activation_argnums {bad} out of range for {len(args)} arguments")
+        raise ValueError(f"activation_argnums {bad} out of range for {len(args)} positional "
+                         f"arguments (valid: 0 to {len(args) - 1})")
+    return nums
 
-    def kept(policy_names: frozenset[str]) -> tuple[int, dict[str, int]]:
-        res = residuals(checkpointed(fn, save_only_these_names(*policy_names)), args, kwargs)
-        by_tag: dict[str, int] = {}
-        activation = 0
-        for r in res:
-            if r.kind == "tag":
-                by_tag[r.name] = by_tag.get(r.name, 0) + r.bytes
-                activation += r.bytes
-            elif r.kind == "argument":
-                if r.argnum is None or r.argnum in acts:  # unknown: count it, to be safe
-                    activation += r.bytes
-            else:
-                activation += r.bytes
-        return activation, by_tag
 
-    def cost(policy_names: frozenset[str]) -> int:
-        policy = save_only_these_names(*policy_names)
-        return linearized_cost(checkpointed(fn, policy), args, kwargs).flops
+def traced_graph(fn: Callable[..., Any], args: Sequence[Any],
+                 kwargs: dict[str, Any] | None = None,
+                 activation_argnums: Sequence[int] = (0,)) -> LayerGraph:
+    """The `LayerGraph` of `fn`'s JVP jaxpr: primal arguments known (those in
+    `activation_argnums` count their bytes, the others are parameters), tangents of every
+    inexact argument unknown, as when a training step differentiates the layer with respect
+    to its input and its parameters."""
+    kwargs = kwargs or {}
+    leaves, tree = jax.tree.flatten(tuple(args))
+    nums = leaf_argnums(args)
+    acts = set(activation_argnums)
+    diff = [np.issubdtype(np.dtype(jnp.result_type(leaf)), np.inexact) for leaf in leaves]
 
-    infos = emitted_tags(fn, args, kwargs)
-    if only is not None:
-        missing = sorted(set(only) - {i.name for i in infos})
+    def jvp(primals: list[Any], tangents: list[Any]) -> Any:
+        def flat(*inexact: Any) -> Any:
+            it = iter(inexact)
+            full = [next(it) if d else leaf for d, leaf in zip(diff, primals)]
+            return fn(*jax.tree.unflatten(tree, full), **kwargs)
+
+        return jax.jvp(flat, [p for p, d in zip(primals, diff) if d], tangents)
+
+    tangents = [leaf for leaf, d in zip(leaves, diff) if d]
+    closed = jax.make_jaxpr(jvp)(leaves, tangents)
+    n, m = len(leaves), len(tangents)
+    return jaxpr_graph(closed, unknown=[False] * n + [True] * m,
+                       activation=[nums[i] in acts for i in range(n)] + [False] * m)
+
+
+def traced_footprint(fn: Callable[..., Any], *args: Any,
+                     activation_argnums: Sequence[int] | int | None = None,
+                     tags: Sequence[str] | None = None, **kwargs: Any) -> Footprint:
+    """Bytes kept and recompute FLOPs of `fn`'s tags, from `fn`'s own traced program.
+
+    The footprint carries the layer's graph (`jaxpr_graph` of its JVP), so
+    ``footprint.evaluate(saved_tags)`` is exact jointly for any subset: the bytes JAX keeps
+    (as ``saved_residuals`` reports them, parameters excluded) and the recompute FLOPs (as
+    XLA's cost analysis counts them). Per-tag figures (`TagCost`) are each tag alone;
+    `Footprint.groups` lists tags that only pay off together (three slices of one fused
+    matmul).
+
+    The layer input is the argument matching the output's structure, shapes and dtypes
+    (`activation_argnums` overrides); every other argument is a parameter. `tags` restricts
+    the footprint to some of the tags (the others are then never saved).
+    """
+    acts = resolve_activation_argnums(fn, args, kwargs, activation_argnums)
+    graph = traced_graph(fn, args, kwargs, acts)
+    order: dict[str, list[Value]] = {}
+    for v in graph.values.values():
+        if v.role is not None:
+            order.setdefault(v.role, []).append(v)
+    if tags is not None:
+        missing = sorted(set(tags) - set(order))
         if missing:
             raise ValueError(f"tags {missing} are not emitted by the function; it emits "
-                             f"{[i.name for i in infos]}")
-        infos = [i for i in infos if i.name in set(only)]
-    base_bytes, _ = kept(frozenset())
-    base_flops = cost(frozenset())
-    # What full remat recomputes beyond no remat, untagged work (norms, softmax,
-    # activations) included: no save set avoids that part.
-    full_recompute = float(max(base_flops - linearized_cost(fn, args, kwargs).flops, 0))
-    forward = jaxpr_cost(_closed(fn, args, kwargs).jaxpr).flops
-    costs: dict[str, Any] = {}
-    for info in infos:
-        one = frozenset([info.name])
-        b, by_tag = kept(one)
-        flops = base_flops - cost(one)
-        extra = b - base_bytes
-        always = info.name in by_tag and extra <= 0
+                             f"{list(order)}")
+        order = {t: vs for t, vs in order.items() if t in set(tags)}
+    base_bytes, base_flops = graph.cost_of_roles(())
+    costs: dict[str, TagCost] = {}
+    for tag, vals in order.items():
+        nbytes, flops = graph.cost_of_roles((tag,))
+        extra, saved = nbytes - base_bytes, base_flops - flops
+        size = sum(v.bytes for v in vals)
+        kept = set(graph.evaluate_roles((tag,)).kept)
+        always = extra <= 0 and any(v.name in kept for v in vals)
         note = ""
         if always:
-            note = "an input of the function: kept whatever the policy says"
-        elif extra <= 0:
+            note = "a view of the layer input: kept whatever the policy says"
+        elif extra <= 0 and saved <= 0:
             note = "the backward never reads it: saving it keeps nothing"
-        costs[info.name] = TagCost(
-            bytes=info.bytes * info.count if always else max(extra, 0),
-            recompute_flops=float(max(flops, 0)), always_kept=always,
-            size_bytes=info.bytes * info.count, shape=info.shape, dtype=info.dtype, note=note)
-    return Footprint(costs, always_kept_bytes=base_bytes, full_recompute_flops=full_recompute,
-                     forward_flops=float(forward))
+        costs[tag] = TagCost(bytes=size if always else max(extra, 0),
+                             recompute_flops=float(max(saved, 0)), always_kept=always,
+                             size_bytes=size, shape=vals[0].shape, dtype=vals[0].dtype,
+                             note=note)
+    return Footprint(costs, always_kept_bytes=base_bytes, graph=graph,
+                     roles={t: t for t in costs}, forward_flops=float(graph.forward_flops()),
+                     no_remat_bytes=graph.no_remat_bytes())

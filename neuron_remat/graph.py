@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from .models import dtype_bytes
 
-__all__ = ["Closures", "Evaluation", "Footprint", "LayerGraph", "Op", "Segment", "TagCost", "Value"]
+__all__ = ["Closures", "Evaluation", "Footprint", "LayerGraph", "Op", "Segment", "TagCost",
+           "TagGroup", "Value", "find_groups"]
 
 
 @dataclass(frozen=True)
@@ -325,20 +326,100 @@ class TagCost:
         return self.recompute_flops / self.bytes if self.bytes else 0.0
 
 
+@dataclass(frozen=True)
+class TagGroup:
+    """Tags that pay off only together: saving all of them avoids more recompute than the
+    sum of saving each alone, because their recomputations share work (three slices of one
+    fused q/k/v matmul). Figures are per layer per core, against saving none of them.
+
+    Attributes:
+        tags: the tags, in footprint order.
+        bytes: bytes kept when all are saved.
+        recompute_flops: recompute avoided when all are saved.
+        alone_flops: the sum of what each avoids alone.
+        shared: what their recomputations share, in words.
+        shared_flops: FLOPs of that shared work.
+    """
+
+    tags: tuple[str, ...]
+    bytes: int
+    recompute_flops: float
+    alone_flops: float
+    shared: str
+    shared_flops: float
+
+    @property
+    def flops_per_byte(self) -> float:
+        return self.recompute_flops / self.bytes if self.bytes else 0.0
+
+    @property
+    def label(self) -> str:
+        """``"q_proj+k_proj+v_proj: one fused matmul"`` (class prefixes dropped when the
+        short names stay distinct)."""
+        short = [t.rsplit(".", 1)[-1] for t in self.tags]
+        names = short if len(set(short)) == len(short) else list(self.tags)
+        return "+".join(names) + f": {self.shared}"
+
+
+def find_groups(graph: LayerGraph, roles: Mapping[str, str]) -> tuple[TagGroup, ...]:
+    """The groups of tags (`roles`: tag -> role in `graph`) that only pay off together.
+
+    Candidates are the sets of tags whose recompute segments (`Closures`) share work that
+    the backward does not recompute anyway; a candidate is a group when saving all of it
+    avoids strictly more FLOPs than the sum of saving each alone (exact joint evaluation)."""
+    cl = graph.closures
+    by_role = {r: t for t, r in roles.items()}
+    flops = {op.name: op.flops for op in graph.ops}
+    base = cl.segments[0].ops
+    owners: dict[str, set[str]] = {}
+    for role, mask in cl.role_masks.items():
+        for i in _bits(mask):
+            for o in cl.segments[i + 1].ops:
+                if o not in base and flops[o] > 0:
+                    owners.setdefault(o, set()).add(role)
+    shared: dict[frozenset[str], list[str]] = {}
+    for o, rs in owners.items():
+        if len(rs) > 1:
+            shared.setdefault(frozenset(rs), []).append(o)
+    order = list(roles)
+    base_bytes, base_flops = graph.cost_of_roles(())
+    out = []
+    for rs, ops in shared.items():
+        if not rs <= set(by_role):
+            continue
+        tags = tuple(t for t in order if roles[t] in rs)
+        nbytes, left = graph.cost_of_roles(rs)
+        joint = base_flops - left
+        alone = sum(base_flops - graph.cost_of_roles((roles[t],))[1] for t in tags)
+        if joint <= alone:
+            continue
+        dots = [o for o in ops if graph.values[graph._by_name[o].output].dot]
+        what = ("one fused matmul" if len(dots) == 1 else f"{len(dots)} shared matmuls"
+                if dots else f"shared work ({len(ops)} ops)")
+        out.append(TagGroup(tags, nbytes - base_bytes, float(joint), float(alone), what,
+                            float(sum(flops[o] for o in ops))))
+    out.sort(key=lambda g: (-g.recompute_flops, g.tags))
+    return tuple(out)
+
+
 class Footprint(dict):  # dict[str, TagCost]
     """Per-tag costs of one layer (a ``dict`` of tag -> `TagCost`) plus what the layer
     keeps whatever the policy says.
 
-    Built by `layer_footprint` (analytic: exact joint evaluation through the layer graph)
-    or `traced_footprint` (measured: costs add up per tag).
+    Built by `layer_footprint` (the analytic graph) or `traced_footprint` (the graph of the
+    traced program): both carry their `LayerGraph`, so `evaluate` is exact jointly for any
+    tag set. A footprint without a graph (a plain mapping of measured costs) adds per-tag
+    costs up.
     """
 
     def __init__(self, tags: Mapping[str, TagCost], *, always_kept_bytes: int,
                  patterns: Mapping[str, str] | None = None,
                  graph: LayerGraph | None = None, roles: Mapping[str, str] | None = None,
                  forward_flops: float = 0.0, no_remat_bytes: int = 0,
-                 full_recompute_flops: float | None = None) -> None:
+                 full_recompute_flops: float | None = None,
+                 groups: Iterable[TagGroup] | None = None) -> None:
         super().__init__(tags)
+        self._groups = None if groups is None else tuple(groups)
         # Additive footprints: what saving nothing recomputes. None: the sum of the tags'
         # savings (as if every recomputed FLOP belonged to some tag).
         self.full_recompute_flops = full_recompute_flops
@@ -356,8 +437,8 @@ class Footprint(dict):  # dict[str, TagCost]
         if unknown:
             raise ValueError(f"tags {sorted(unknown)} are not in this footprint ({sorted(self)})")
         if self.graph is not None:
-            ev = self.graph.evaluate_roles(self.roles[t] for t in chosen)
-            return ev.kept_bytes, float(ev.recompute_flops)
+            kept_bytes, flops = self.graph.cost_of_roles(self.roles[t] for t in chosen)
+            return kept_bytes, float(flops)
         full = self.full_recompute_flops
         if full is None:
             full = sum(c.recompute_flops for c in self.values() if not c.always_kept)
@@ -365,6 +446,14 @@ class Footprint(dict):  # dict[str, TagCost]
             self[t].bytes for t in chosen if not self[t].always_kept)
         return kept, full - sum(self[t].recompute_flops for t in chosen
                                 if not self[t].always_kept)
+
+    @property
+    def groups(self) -> tuple[TagGroup, ...]:
+        """Tags that only pay off together (`find_groups`; none for additive footprints)."""
+        if self._groups is None:
+            self._groups = () if self.graph is None else find_groups(
+                self.graph, {t: self.roles[t] for t in self if t in self.roles})
+        return self._groups
 
     def __repr__(self) -> str:
         return f"Footprint({dict(self)!r}, always_kept_bytes={self.always_kept_bytes})"
