@@ -456,7 +456,7 @@ def find_groups(graph: LayerGraph, roles: Mapping[str, str]) -> tuple[TagGroup, 
         tags = tuple(t for t in order if roles[t] in rs)
         nbytes, left = graph.cost_of_roles(rs)
         joint = base_flops - left
-        alone = sum(base_flops - graph.cost_of_roles((roles[t],))[1] for t in tags)
+        alone = sum(max(base_flops - graph.cost_of_roles((roles[t],))[1], 0) for t in tags)
         if joint <= alone:
             continue
         dots = [o for o in ops if graph.values[graph._by_name[o].output].dot]
