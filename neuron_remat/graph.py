@@ -221,6 +221,9 @@ class LayerGraph:
         return {v.role: v for v in self.values.values() if v.role is not None}
 
 
+MEMO_LIMIT = 1 << 16  # evaluations remembered per graph
+
+
 def _bits(mask: int) -> Iterator[int]:
     while mask:
         low = mask & -mask
@@ -356,7 +359,8 @@ class Closures:
             flops -= self.moved_flops - sum(f for sig, f in self.moved_atoms if sig & kept)
         flops += sum(self.tag_flops[i] for i in _bits(kept))
         out = (nbytes, flops, segs)
-        self.memo[saved] = out
+        if len(self.memo) < MEMO_LIMIT:
+            self.memo[saved] = out
         return out
 
     def cost(self, saved: int) -> tuple[int, int]:

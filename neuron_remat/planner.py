@@ -206,9 +206,9 @@ def _solve(footprint: mm.Footprint, candidates: Sequence[str], budget: int,
     """The `keep` best feasible save sets (least recompute, then fewest bytes, then names),
     exactly: every subset is evaluated when the footprint is a joint model (at most 2**16)
     or small (2**8), otherwise a branch and bound over the additive per-tag costs."""
-    if footprint.graph is not None or len(candidates) <= 8:
-        if len(candidates) > 16:
-            raise ValueError(f"{len(candidates)} candidate tags are too many to enumerate")
+    if footprint.graph is not None:
+        return _solve_joint(footprint, candidates, budget, keep)
+    if len(candidates) <= 8:
         found = []
         for r in range(len(candidates) + 1):
             for subset in itertools.combinations(candidates, r):
@@ -218,6 +218,52 @@ def _solve(footprint: mm.Footprint, candidates: Sequence[str], budget: int,
         found.sort(key=lambda c: (c.recompute_flops, c.kept_bytes, len(c.tags), c.tags))
         return _distinct(found, keep)
     return _branch_and_bound(footprint, candidates, budget, keep)
+
+
+MAX_JOINT_TAGS = 20
+"""Candidate tags a joint footprint is searched over exhaustively (2**20 tag sets)."""
+
+
+def _solve_joint(footprint: mm.Footprint, candidates: Sequence[str], budget: int,
+                 keep: int) -> list[Choice]:
+    """`_solve` on a footprint with a graph: every tag set is evaluated jointly (the
+    graph's bitmask evaluation, one union per tag set built from a smaller one)."""
+    n = len(candidates)
+    if n > MAX_JOINT_TAGS:
+        raise ValueError(f"{n} candidate tags are too many to search jointly (at most "
+                         f"{MAX_JOINT_TAGS}); restrict candidates=")
+    graph = footprint.graph
+    assert graph is not None
+    closures = graph.closures
+    bits = [closures.mask([footprint.roles[t]]) for t in candidates]
+    saved = [0] * (1 << n)
+    found = []
+    run = closures.run
+    for i in range(1 << n):
+        if i:
+            low = i & -i
+            saved[i] = saved[i ^ low] | bits[low.bit_length() - 1]
+        kept, flops, _ = run(saved[i])
+        if kept <= budget:
+            found.append((flops, kept, i.bit_count(), i))
+    found.sort()
+
+    def tags(i: int) -> tuple[str, ...]:
+        return tuple(sorted(candidates[j] for j in range(n) if i >> j & 1))
+
+    ordered: list[Choice] = []
+    start = 0
+    # Equal cost, bytes and size: order by tag names, as `_solve` does; only the front of
+    # the list is needed.
+    while start < len(found) and len(_distinct(ordered, keep)) < keep:
+        end = start
+        while end < len(found) and found[end][:3] == found[start][:3]:
+            end += 1
+        run_ = sorted((Choice(tags(i), k, float(f)) for f, k, _, i in found[start:end]),
+                      key=lambda c: c.tags)
+        ordered.extend(run_)
+        start = end
+    return _distinct(ordered, keep)
 
 
 def _distinct(choices: list[Choice], keep: int) -> list[Choice]:
