@@ -204,8 +204,9 @@ class Plan:
 def _solve(footprint: mm.Footprint, candidates: Sequence[str], budget: int,
            keep: int = 4) -> list[Choice]:
     """The `keep` best feasible save sets (least recompute, then fewest bytes, then names),
-    exactly: every subset is evaluated when the footprint is a joint model (at most 2**16)
-    or small (2**8), otherwise a branch and bound over the additive per-tag costs."""
+    exactly: every subset is evaluated jointly on the footprint's graph when it has one
+    (`_solve_joint`, up to `MAX_JOINT_TAGS` candidates), or when an additive footprint is
+    small (2**8); otherwise a branch and bound over the additive per-tag costs."""
     if footprint.graph is not None:
         return _solve_joint(footprint, candidates, budget, keep)
     if len(candidates) <= 8:
