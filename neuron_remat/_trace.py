@@ -225,9 +225,10 @@ def jaxpr_graph(jaxpr: Any, *, unknown: Sequence[bool],
     """The `LayerGraph` of a jaxpr split into a known (primal) and an unknown part.
 
     `unknown[i]` says whether invar i is unknown (a tangent or cotangent) or known (a primal
-    value: a layer activation or a parameter). `activation[i]` says whether a known invar is
-    an activation, whose bytes count when the backward reads it (default: every known invar);
-    the others are parameters, kept at no cost. Give the JVP jaxpr of a layer (primals known,
+    value: a layer activation or a parameter). `activation[i]` (one entry per invar; those of
+    unknown invars are ignored) says whether a known invar is an activation, whose bytes
+    count when the backward reads it (default: every known invar); the others are
+    parameters, kept at no cost. Constants of the jaxpr count as parameters. Give the JVP jaxpr of a layer (primals known,
     tangents unknown) or the body of a differentiated ``remat`` (residuals known, cotangents
     unknown).
 
