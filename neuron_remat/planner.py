@@ -252,19 +252,24 @@ def _solve_joint(footprint: mm.Footprint, candidates: Sequence[str], budget: int
     def tags(i: int) -> tuple[str, ...]:
         return tuple(sorted(candidates[j] for j in range(n) if i >> j & 1))
 
-    ordered: list[Choice] = []
+    # `_distinct` over the front of the list, built incrementally; ties in cost, bytes and
+    # size are ordered by tag names, as `_solve` orders them.
+    out: list[Choice] = []
     start = 0
-    # Equal cost, bytes and size: order by tag names, as `_solve` does; only the front of
-    # the list is needed.
-    while start < len(found) and len(_distinct(ordered, keep)) < keep:
+    while start < len(found) and len(out) < keep:
         end = start
         while end < len(found) and found[end][:3] == found[start][:3]:
             end += 1
-        run_ = sorted((Choice(tags(i), k, float(f)) for f, k, _, i in found[start:end]),
+        tied = sorted((Choice(tags(i), k, float(f)) for f, k, _, i in found[start:end]),
                       key=lambda c: c.tags)
-        ordered.extend(run_)
+        for c in tied:
+            if not any(set(o.tags) <= set(c.tags) and o.recompute_flops <= c.recompute_flops
+                       for o in out):
+                out.append(c)
+                if len(out) == keep:
+                    break
         start = end
-    return _distinct(ordered, keep)
+    return out
 
 
 def _distinct(choices: list[Choice], keep: int) -> list[Choice]:
