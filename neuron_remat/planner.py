@@ -18,7 +18,7 @@ from ._format import fmt_bytes, grid
 from .device import DeviceSpec
 from .policies import RegexPolicy
 
-__all__ = ["Choice", "NoFitError", "Plan", "TagDecision", "dead_patterns", "plan",
+__all__ = ["Choice", "GroupDecision", "NoFitError", "Plan", "TagDecision", "dead_patterns", "plan",
            "refuse_dead_patterns"]
 
 logger = logging.getLogger(__name__)
@@ -41,6 +41,24 @@ class TagDecision:
     bytes: int
     recompute_flops: float
     reason: str
+
+    @property
+    def flops_per_byte(self) -> float:
+        return self.recompute_flops / self.bytes if self.bytes else 0.0
+
+
+@dataclass(frozen=True)
+class GroupDecision:
+    """Tags that only pay off together (a `TagGroup` of the footprint) and whether the plan
+    saves all of them."""
+
+    tags: tuple[str, ...]
+    label: str
+    bytes: int
+    recompute_flops: float
+    alone_flops: float
+    shared: str
+    saved: bool
 
     @property
     def flops_per_byte(self) -> float:
@@ -80,6 +98,7 @@ class Plan:
     parallelism: models.Parallelism | None = None
     no_remat_bytes_per_layer: int = 0
     notes: tuple[str, ...] = ()
+    groups: tuple[GroupDecision, ...] = ()
 
     @property
     def headroom_bytes(self) -> int:
@@ -127,6 +146,8 @@ class Plan:
             "headroom_bytes": self.headroom_bytes,
             "no_remat_bytes_per_layer": self.no_remat_bytes_per_layer,
             "decisions": [dataclasses.asdict(d) for d in self.decisions],
+            "groups": [{**dataclasses.asdict(g), "flops_per_byte": g.flops_per_byte}
+                       for g in self.groups],
             "runner_ups": [dataclasses.asdict(c) for c in self.runner_ups],
             "notes": list(self.notes),
         }
@@ -153,6 +174,11 @@ class Plan:
             rows.append((d.tag, fmt_bytes(d.bytes), f"{d.recompute_flops / 1e9:.4g} GFLOP",
                          f"{d.flops_per_byte:.4g}", "yes" if d.saved else "no", d.reason))
         lines = grid(rows)
+        for g in self.groups:
+            lines.append(
+                f"together: {g.label}: keeps {fmt_bytes(g.bytes)}, saves "
+                f"{g.recompute_flops / 1e9:.4g} GFLOP ({g.flops_per_byte:.4g} FLOP/B; alone "
+                f"{g.alone_flops / 1e9:.4g} GFLOP): " + ("saved" if g.saved else "not saved"))
         lines.append("")
         if self.budget is not None:
             b = self.budget
@@ -179,11 +205,12 @@ class Plan:
 def _solve(footprint: mm.Footprint, candidates: Sequence[str], budget: int,
            keep: int = 4) -> list[Choice]:
     """The `keep` best feasible save sets (least recompute, then fewest bytes, then names),
-    exactly: every subset is evaluated when the footprint is a joint model (at most 2**16)
-    or small (2**8), otherwise a branch and bound over the additive per-tag costs."""
-    if footprint.graph is not None or len(candidates) <= 8:
-        if len(candidates) > 16:
-            raise ValueError(f"{len(candidates)} candidate tags are too many to enumerate")
+    exactly: every subset is evaluated jointly on the footprint's graph when it has one
+    (`_solve_joint`, up to `MAX_JOINT_TAGS` candidates), or when an additive footprint is
+    small (2**8); otherwise a branch and bound over the additive per-tag costs."""
+    if footprint.graph is not None:
+        return _solve_joint(footprint, candidates, budget, keep)
+    if len(candidates) <= 8:
         found = []
         for r in range(len(candidates) + 1):
             for subset in itertools.combinations(candidates, r):
@@ -193,6 +220,57 @@ def _solve(footprint: mm.Footprint, candidates: Sequence[str], budget: int,
         found.sort(key=lambda c: (c.recompute_flops, c.kept_bytes, len(c.tags), c.tags))
         return _distinct(found, keep)
     return _branch_and_bound(footprint, candidates, budget, keep)
+
+
+MAX_JOINT_TAGS = 20
+"""Candidate tags a joint footprint is searched over exhaustively (2**20 tag sets)."""
+
+
+def _solve_joint(footprint: mm.Footprint, candidates: Sequence[str], budget: int,
+                 keep: int) -> list[Choice]:
+    """`_solve` on a footprint with a graph: every tag set is evaluated jointly (the
+    graph's bitmask evaluation, one union per tag set built from a smaller one)."""
+    n = len(candidates)
+    if n > MAX_JOINT_TAGS:
+        raise ValueError(f"{n} candidate tags are too many to search jointly (at most "
+                         f"{MAX_JOINT_TAGS}); restrict candidates=")
+    graph = footprint.graph
+    assert graph is not None
+    closures = graph.closures
+    bits = [closures.mask([footprint.roles[t]]) for t in candidates]
+    saved = [0] * (1 << n)
+    found = []
+    run = closures.run
+    for i in range(1 << n):
+        if i:
+            low = i & -i
+            saved[i] = saved[i ^ low] | bits[low.bit_length() - 1]
+        kept, flops, _ = run(saved[i])
+        if kept <= budget:
+            found.append((flops, kept, i.bit_count(), i))
+    found.sort()
+
+    def tags(i: int) -> tuple[str, ...]:
+        return tuple(sorted(candidates[j] for j in range(n) if i >> j & 1))
+
+    # `_distinct` over the front of the list, built incrementally; ties in cost, bytes and
+    # size are ordered by tag names, as `_solve` orders them.
+    out: list[Choice] = []
+    start = 0
+    while start < len(found) and len(out) < keep:
+        end = start
+        while end < len(found) and found[end][:3] == found[start][:3]:
+            end += 1
+        tied = sorted((Choice(tags(i), k, float(f)) for f, k, _, i in found[start:end]),
+                      key=lambda c: c.tags)
+        for c in tied:
+            if not any(set(o.tags) <= set(c.tags) and o.recompute_flops <= c.recompute_flops
+                       for o in out):
+                out.append(c)
+                if len(out) == keep:
+                    break
+        start = end
+    return out
 
 
 def _distinct(choices: list[Choice], keep: int) -> list[Choice]:
@@ -303,11 +381,18 @@ def plan(
     pool = _candidates(fp, candidates)
     decisions: dict[str, str] = {}
     usable = []
+    # Groups of tags that only pay off together are judged jointly: a member that saves
+    # nothing alone is usable when its whole group is a candidate and pays.
+    groups = [g for g in getattr(fp, "groups", ()) if set(g.tags) <= set(pool)]
+    paying = [g for g in groups if g.recompute_flops > 0 and (
+        not g.bytes or g.recompute_flops / g.bytes >= min_flops_per_byte)]
     for t in pool:
         cost = fp[t]
         if t in always:
             continue
-        if cost.recompute_flops <= 0:
+        if any(t in g.tags for g in paying):
+            usable.append(t)
+        elif cost.recompute_flops <= 0:
             decisions[t] = "saving it saves no recompute" + (
                 ": the backward never reads it" if cost.bytes == 0 else "")
         elif cost.bytes and cost.recompute_flops / cost.bytes < min_flops_per_byte:
@@ -324,15 +409,25 @@ def plan(
         full_kept, _ = fp.evaluate(())
         raise NoFitError(_no_fit_message(full_kept, per_layer, bud, config, shape, par))
     best = choices[0]
+    saved_groups = [g for g in paying if set(g.tags) <= set(best.tags)]
     for t in usable:
         cost = fp[t]
-        if t in best.tags:
+        mine = next((g for g in saved_groups if t in g.tags), None)
+        if t in best.tags and mine is not None:
+            others = ", ".join(o for o in mine.tags if o != t)
+            decisions[t] = (f"saved with {others} ({mine.shared}): "
+                            f"{mine.flops_per_byte:.3g} FLOP/B together")
+        elif t in best.tags:
             decisions[t] = (f"saved: {cost.recompute_flops / cost.bytes:.3g} FLOP/B"
                             if cost.bytes else "saved: free to keep")
         else:
-            alone, _ = fp.evaluate(best.tags + (t,))
+            group = next((g for g in paying if t in g.tags), None)
+            adding = best.tags + ((t,) if group is None else tuple(
+                o for o in group.tags if o not in best.tags))
+            alone, _ = fp.evaluate(adding)
+            what = "adding it" if group is None else f"adding {group.label}"
             decisions[t] = ("does not fit: " if alone > per_layer else "") + (
-                f"adding it keeps {fmt_bytes(alone)} > {fmt_bytes(per_layer)} budget"
+                f"{what} keeps {fmt_bytes(alone)} > {fmt_bytes(per_layer)} budget"
                 if alone > per_layer else "a better set fits without it")
     for t in always:
         decisions[t] = "always kept: the layer input (scan carry)"
@@ -351,7 +446,9 @@ def plan(
         runner_ups=tuple(choices[1:]), layers_per_core=layers, inflight=inflight,
         device=device, budget=bud, forward_flops_per_layer=fp.forward_flops,
         config=config, parallelism=par, no_remat_bytes_per_layer=fp.no_remat_bytes,
-        notes=tuple(notes))
+        notes=tuple(notes),
+        groups=tuple(GroupDecision(g.tags, g.label, g.bytes, g.recompute_flops, g.alone_flops,
+                                   g.shared, set(g.tags) <= set(best.tags)) for g in groups))
 
 
 def dead_patterns(policy: RegexPolicy, names: Iterable[str]) -> list[str]:
