@@ -7,7 +7,7 @@ import sys
 
 import neuron_remat
 
-ORDER = ["device", "models", "graph", "memory_model", "_trace", "policies", "audit", "planner", "plugin", "cli"]
+ORDER = ["device", "models", "graph", "memory_model", "_trace", "_regex", "policies", "audit", "planner", "plugin", "cli"]
 PACKAGE = pathlib.Path(neuron_remat.__file__).parent
 
 
