@@ -86,6 +86,8 @@ class _Program:
     def sequence(self, items: Sequence[tuple[Any, Any]], flags: int
                  ) -> list[tuple[int, int]]:
         """Emit `items` in order; returns the dangling exits (patched by the caller)."""
+        if not items:  # the empty pattern (e.g. a branch's empty alternative)
+            return [(self.emit("jump", None), 1)]
         holes: list[tuple[int, int]] = []
         for item in items:
             start = len(self.code)
@@ -258,7 +260,8 @@ class SafePattern:
                 raise PatternError(
                     f"regex {pattern!r} needs backtracking (a back-reference, look-around, "
                     f"conditional, atomic group or possessive repeat) and has {why}, so "
-                    "matching it could take exponential time; drop the back-reference or "
+                    "matching it could take exponential time (or a high power of the tag's "
+                    "length); drop the back-reference or "
                     "look-around, or simplify the repeats") from None
             self._fullmatch: Callable[[str], bool] = (
                 lambda text, rx=compiled: rx.fullmatch(text) is not None)

@@ -41,6 +41,7 @@ from . import _regex, models
 from .device import looks_like_neuron
 
 __all__ = [
+    "NamesPolicy",
     "PRESETS",
     "Preset",
     "RegexPolicy",
@@ -202,8 +203,32 @@ class _RegexNames:
         return "<tags the save patterns fully match>"
 
 
+@dataclass(frozen=True, eq=False)
+class NamesPolicy(_NamesBase):
+    """Base of policy objects both JAX remat implementations honour: a subclass decides
+    per ``checkpoint_name`` tag in `saves` (and may decide more in ``__call__``, which the
+    original implementation calls); JAX's new remat (``jax_remat3``) asks
+    ``name in policy.saveable_names``, which answers with `saves`. Compared by identity
+    unless a subclass says otherwise."""
+
+    saveable_names: Any = field(default=None, init=False, repr=False, compare=False)
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "saveable_names", _RegexNames(self.saves))
+
+    def saves(self, name: str) -> bool:
+        """Whether the tag `name` is kept in device memory for the backward."""
+        return self(name_p, name=name) in (Saveable, True)
+
+    def __call__(self, prim: Any, *args: Any, **params: Any) -> Any:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
-class RegexPolicy(_NamesBase):
+class RegexPolicy(NamesPolicy):
     """Save (or offload) the ``checkpoint_name`` tags that fully match a pattern.
 
     Args:
@@ -221,7 +246,6 @@ class RegexPolicy(_NamesBase):
             the override, an earlier detection, or Neuron device nodes) unless this is set.
     """
 
-    saveable_names: Any = field(default=None, init=False, repr=False, compare=False)
     save: tuple[str, ...] = ()
     offload: tuple[str, ...] = ()
     offload_src: str | None = None
@@ -247,7 +271,7 @@ class RegexPolicy(_NamesBase):
         set_("_save_rx", _matchers(self.save, "save"))
         set_("_offload_rx", _matchers(self.offload, "offload"))
         set_("_decisions", {})
-        set_("saveable_names", _RegexNames(lambda name: self.action(name) == "save"))
+        super().__post_init__()
         if not self.allow_everything:
             for what, pats, rx in (("save", self.save, self._save_rx),
                                    ("offload", self.offload, self._offload_rx)):
@@ -372,16 +396,21 @@ def _honoured_by_remat3(policy: Any) -> bool:
             or policy is _jax_remat.nothing_saveable or isinstance(policy, kinds))
 
 
-def warn_if_ignored(policy: Any, where: str = "jax.checkpoint") -> str | None:
+def warn_if_ignored(policy: Any, where: str = "jax.checkpoint", *,
+                    names_only: bool = False) -> str | None:
     """Log a warning, once per kind of policy, when the active remat implementation would
     not honour `policy`, and return its text (None when it would be honoured).
 
     Under ``jax_remat3`` JAX honours only its own policy types: any other callable
     (``dots_saveable``, a closure such as axlearn's regex policy, ...) becomes full remat,
     and an offload decision becomes recompute, silently. Adapters call this where they
-    hand a policy to JAX; `where` names that place in the message.
+    hand a policy to JAX; `where` names that place in the message. With `names_only`,
+    `policy` reaches JAX inside a `NamesPolicy` wrapper, so its decisions on tags are kept
+    and only what else it saves is lost.
     """
     if active_remat() != "remat3":
+        return None
+    if isinstance(policy, NamesPolicy) and not isinstance(policy, RegexPolicy):
         return None
     if isinstance(policy, RegexPolicy):
         if not policy.offload:
@@ -393,6 +422,14 @@ def warn_if_ignored(policy: Any, where: str = "jax.checkpoint") -> str | None:
                 "save those tags.")
     elif _honoured_by_remat3(policy):
         return None
+    elif names_only:
+        kind = getattr(policy, "__qualname__", None) or type(policy).__qualname__
+        key = ("names-only", f"{getattr(policy, '__module__', '')}.{kind}")
+        text = (f"{where}: jax_remat3 is on and JAX's new remat only saves checkpoint_name "
+                f"tags; the policy {kind} ({policy!r:.80}) keeps its decisions on tags, but "
+                "anything else it would save (dots, other primitives) is recomputed. Name "
+                "the values with checkpoint_name and save them by name, or turn jax_remat3 "
+                "off (JAX_REMAT3=false).")
     else:
         kind = getattr(policy, "__qualname__", None) or type(policy).__qualname__
         key = ("ignored", f"{getattr(policy, '__module__', '')}.{kind}")
