@@ -222,7 +222,7 @@ _FREE = {
     "exp", "exp2", "log", "log1p", "tanh", "logistic", "rsqrt", "sqrt", "sin", "cos",
     "erf", "erf_inv", "pow", "expm1", "atan2", "cbrt", "random_bits", "random_wrap",
     "random_unwrap", "random_seed", "threefry2x32",
-    "call_hi_primitive",  # jax_remat3's tags and remat calls: their jaxprs are walked
+    "remat2", "call_hi_primitive",  # remat calls (and remat3's tags): their jaxprs are walked
 }
 _REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
            "reduce_and", "reduce_or", "cumsum", "cummax", "cumlogsumexp"}
