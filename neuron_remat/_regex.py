@@ -56,6 +56,9 @@ def _alone(node: tuple[Any, Any], flags: int) -> re.Pattern[str]:
     return _sre_compile.compile(_sre_parse.SubPattern(state, [node]), flags)
 
 
+_ALONE: dict[tuple[str, int], re.Pattern[str]] = {}  # compiled single nodes, shared
+
+
 class _Program:
     """A Thompson NFA: ("char", test, next), ("at", test, next), ("split", a, b),
     ("jump", a) and ("match",)."""
@@ -76,7 +79,10 @@ class _Program:
         key = (repr(node), flags)
         if key not in self._tests:
             self._tests[key] = len(self.tests)
-            self.tests.append(_alone(node, flags))
+            compiled = _ALONE.get(key)
+            if compiled is None:
+                compiled = _ALONE[key] = _alone(node, flags)
+            self.tests.append(compiled)
         return self._tests[key]
 
     def patch(self, holes: list[tuple[int, int]], target: int) -> None:

@@ -309,15 +309,15 @@ def _as_parallelism(par: Any) -> models.Parallelism:
 
 
 @dataclass(frozen=True, eq=False)
-class DeferredPolicy(policies.NamesPolicy):
+class DeferredPolicy(policies.ResolvingPolicy):
     """A remat policy that resolves itself the first time JAX asks it about a primitive.
 
     Adapters hand this to ``jax.checkpoint`` so that wrapping a layer at import time does
     not detect the device (and start JAX's backends) before the program has set itself up,
     e.g. before ``jax.distributed.initialize()``. Once resolved it keeps its answer.
 
-    A `policies.NamesPolicy`, so JAX's new remat (``jax_remat3``) honours it too: it
-    resolves when remat3 first asks about a tag.
+    A `policies.ResolvingPolicy`, so JAX's new remat (``jax_remat3``) honours it too: it
+    resolves when remat3 first asks about a tag or a matmul.
 
     Compared by identity: JAX caches remat partial evaluation per (function, policy), and
     two deferred policies with equal context may resolve differently (the environment can
@@ -341,7 +341,7 @@ class DeferredPolicy(policies.NamesPolicy):
         policy = self.resolve().policy
         if policy is None:
             return False  # jax.checkpoint's own default: save nothing
-        return policy(prim, *args, **params)
+        return self.answer(policy(prim, *args, **params))
 
 
 class _Held:

@@ -45,6 +45,7 @@ __all__ = [
     "PRESETS",
     "Preset",
     "RegexPolicy",
+    "ResolvingPolicy",
     "preset",
     "active_remat",
     "save_and_offload_only_these_names_regex",
@@ -227,6 +228,29 @@ class NamesPolicy(_NamesBase):
         raise NotImplementedError
 
 
+_DotsBase = getattr(_jax_remat, "DotsSaveable", None)  # JAX >= 0.9
+
+
+@dataclass(frozen=True, eq=False)
+class ResolvingPolicy(NamesPolicy, *((_DotsBase,) if _DotsBase is not None else ())):
+    """A `NamesPolicy` whose answers are only known when JAX traces (an adapter's policy,
+    resolved on first use). JAX's new remat asks it about tags (``saveable_names``) and,
+    being a ``DotsSaveable`` too, about matmuls, so a resolved ``dots_saveable`` keeps its
+    dots under both implementations. `answer` turns a decision into what both accept."""
+
+    only_if_no_batch_dims: bool = field(default=False, init=False, repr=False, compare=False)
+
+    @staticmethod
+    def answer(decision: Any) -> Any:
+        """`decision` as a bool where it is one (remat3's matmul rule reads truthiness,
+        and JAX's ``Recompute`` is truthy); offload decisions pass through."""
+        if decision is Saveable:
+            return True
+        if decision is Recompute or decision is None:
+            return False
+        return decision
+
+
 @dataclass(frozen=True)
 class RegexPolicy(NamesPolicy):
     """Save (or offload) the ``checkpoint_name`` tags that fully match a pattern.
@@ -390,8 +414,8 @@ _WARN_LOCK = threading.Lock()
 
 
 def _honoured_by_remat3(policy: Any) -> bool:
-    kinds = tuple(getattr(_jax_remat, n) for n in ("SaveOnlyTheseNames", "SaveAnyNamesButThese")
-                  if hasattr(_jax_remat, n))
+    kinds = tuple(getattr(_jax_remat, n) for n in ("SaveOnlyTheseNames", "SaveAnyNamesButThese",
+                                                   "DotsSaveable") if hasattr(_jax_remat, n))
     return (policy is None or policy is _jax_remat.everything_saveable
             or policy is _jax_remat.nothing_saveable or isinstance(policy, kinds))
 
@@ -434,7 +458,7 @@ def warn_if_ignored(policy: Any, where: str = "jax.checkpoint", *,
         kind = getattr(policy, "__qualname__", None) or type(policy).__qualname__
         key = ("ignored", f"{getattr(policy, '__module__', '')}.{kind}")
         text = (f"{where}: jax_remat3 is on and JAX's new remat honours only its own policy "
-                f"types (save_only_these_names, save_any_names_but_these, "
+                f"types (save_only_these_names, save_any_names_but_these, dots_saveable, "
                 f"everything_saveable); the policy {kind} ({policy!r:.80}) is ignored and "
                 "every value is recomputed (full remat). Use neuron_remat.RegexPolicy or "
                 "neuron_remat.policies.save_and_offload_only_these_names_regex (honoured by "

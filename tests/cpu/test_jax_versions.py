@@ -181,13 +181,14 @@ def test_offload_under_each_implementation(layer_args, impl, caplog):
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_a_policy_jax_would_ignore_is_warned_about_once(impl, caplog):
-    ignored = [jax.checkpoint_policies.dots_saveable,
-               jax.checkpoint_policies.save_and_offload_only_these_names(
+    cp = jax.checkpoint_policies
+    ignored = [cp.save_from_both_policies(cp.dots_saveable, cp.save_only_these_names("a")),
+               cp.save_and_offload_only_these_names(
                    names_which_can_be_saved=["a"], names_which_can_be_offloaded=[],
                    offload_src="device", offload_dst="pinned_host")]
-    honoured = [None, pol.preset("trn2-fuji-70b"), jax.checkpoint_policies.everything_saveable,
-                jax.checkpoint_policies.nothing_saveable,
-                jax.checkpoint_policies.save_only_these_names("a")]
+    honoured = [None, pol.preset("trn2-fuji-70b"), cp.everything_saveable, cp.nothing_saveable,
+                cp.save_only_these_names("a"), cp.dots_saveable,
+                cp.dots_with_no_batch_dims_saveable]
     with remat(impl), caplog.at_level(logging.WARNING, "neuron_remat.policies"):
         texts = [pol.warn_if_ignored(p) for p in ignored + ignored + honoured]
     assert texts[len(ignored) * 2:] == [None] * len(honoured)
