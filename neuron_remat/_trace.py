@@ -5,7 +5,6 @@ per-tag figures from them."""
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.ad_checkpoint import name_p, saved_residuals
+from jax._src import ad_checkpoint as _jax_remat
+from jax._src.ad_checkpoint import name_p
 from jax.extend import core as jcore
 
 from .graph import Footprint, LayerGraph, Op, TagCost, Value
@@ -55,7 +55,10 @@ def _aval_bytes(aval: Any) -> int:
 def _sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, int]]:
     """(jaxpr, multiplicity) for each jaxpr inside an equation's parameters."""
     mult = int(eqn.params.get("length", 1)) if str(eqn.primitive) == "scan" else 1
-    for value in eqn.params.values():
+    params = dict(eqn.params)
+    hi = params.pop("_prim", None)  # a jax_remat3 primitive keeps its jaxpr in its params
+    params.update(getattr(hi, "params", None) or {})
+    for value in params.values():
         items = value if isinstance(value, (tuple, list)) else (value,)
         for item in items:
             if isinstance(item, jcore.ClosedJaxpr):
@@ -81,9 +84,9 @@ def emitted_tags(fn: Callable[..., Any], args: Sequence[Any],
     closed = _closed(fn, args, kwargs or {})
     found: dict[str, TagInfo] = {}
     for eqn, mult in _walk(closed.jaxpr):
-        if not is_name_primitive(eqn.primitive):
+        name = tag_of(eqn)
+        if name is None:
             continue
-        name = eqn.params["name"]
         aval = eqn.invars[0].aval
         info = found.get(name)
         if info is None:
@@ -96,35 +99,110 @@ def emitted_tags(fn: Callable[..., Any], args: Sequence[Any],
     return list(found.values())
 
 
-_NAMED = re.compile(r"named '(?P<name>.*)' from ")
-_ARG = re.compile(r"from the argument (?P<name>.*)$")
+_CHECKPOINT_NAME = getattr(_jax_remat, "CheckpointName", None)  # jax_remat3's tag (JAX >= 0.10)
+
+
+def tag_of(eqn: Any) -> str | None:
+    """The ``checkpoint_name`` tag `eqn` applies, or None: JAX's ``name`` primitive, or
+    the ``CheckpointName`` primitive JAX's new remat (``jax_remat3``) traces instead."""
+    if is_name_primitive(eqn.primitive):
+        return str(eqn.params["name"])
+    prim = eqn.params.get("_prim") if _CHECKPOINT_NAME is not None else None
+    if prim is not None and isinstance(prim, _CHECKPOINT_NAME):
+        return str(prim.name)
+    return None
+
+
+def _inner_jaxpr(eqn: Any) -> Any:
+    """The jaxpr of a call-like equation (jit, closed_call, ...) whose outputs are its
+    inner jaxpr's outputs one to one, or None."""
+    inner = eqn.params.get("jaxpr") or eqn.params.get("call_jaxpr")
+    if isinstance(inner, jcore.ClosedJaxpr):
+        inner = inner.jaxpr
+    if isinstance(inner, jcore.Jaxpr) and len(inner.outvars) == len(eqn.outvars):
+        return inner
+    return None
+
+
+def _source(var: Any, jaxpr: Any) -> tuple[str, Any]:
+    """Where `var` of `jaxpr` comes from: ``("tag", name)``, ``("input", index)`` (the
+    index-th input of `jaxpr`) or ``("other", description)``. Looks through what only
+    forwards a value: ``reduce_precision`` (JAX's remat inserts it on saved values), and
+    call equations that return one of their inputs. A value a tag is applied to counts as
+    that tag (JAX < 0.9 may keep it rather than the tag's output)."""
+    producers = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    tagged = {}
+    for eqn in jaxpr.eqns:
+        name = tag_of(eqn)
+        if name is not None:
+            tagged.setdefault(eqn.invars[0], name)
+    inputs = {v: i for i, v in enumerate(jaxpr.invars)}
+    while True:
+        if isinstance(var, jcore.Literal):
+            return "other", "a literal"
+        if var in inputs:
+            return "input", inputs[var]
+        if var in jaxpr.constvars:
+            return "other", "a constant"
+        eqn = producers.get(var)
+        if eqn is None:
+            return "other", "an unknown value"
+        name = tag_of(eqn)
+        if name is not None:
+            return "tag", name
+        prim = str(eqn.primitive)
+        if prim == "reduce_precision":
+            var = eqn.invars[0]
+            continue
+        inner = _inner_jaxpr(eqn)
+        if inner is not None:
+            kind, what = _source(inner.outvars[eqn.outvars.index(var)], inner)
+            if kind == "input":
+                var = eqn.invars[what]
+                continue
+            if kind == "tag":
+                return kind, what
+        if var in tagged:
+            return "tag", tagged[var]
+        label = eqn.params.get("name")
+        return "other", f"output of {prim}" + (f" {label!r}" if isinstance(label, str) else "")
 
 
 def residuals(fn: Callable[..., Any], args: Sequence[Any],
               kwargs: dict[str, Any] | None = None) -> list[Residual]:
-    """What JAX's saved-residuals analysis keeps for `fn` (already wrapped in
-    ``jax.checkpoint`` when a policy is to apply). Arguments carry the index of the
-    positional argument they are a leaf of (None if JAX's description cannot say)."""
-    leaves, tree = jax.tree.flatten(tuple(args))
-    argnums = leaf_argnums(args)
+    """The values JAX keeps for the backward of `fn` (already wrapped in ``jax.checkpoint``
+    when a policy is to apply), what ``jax._src.ad_checkpoint.saved_residuals`` lists.
+
+    Read from the structure of the traced VJP (the residual outputs of ``jax.vjp`` traced
+    by ``jax.make_jaxpr``, followed back to the tag, argument or operation that made
+    them), not from JAX's descriptions, whose wording differs between JAX versions (JAX
+    0.7 and 0.8 call a saved tag "output of reduce_precision"). Arguments carry the index
+    of the positional argument they are a leaf of, and their key path as name."""
     kwargs = kwargs or {}
+    flat_paths, tree = jax.tree_util.tree_flatten_with_path(tuple(args))
+    leaves = [leaf for _, leaf in flat_paths]
+    argnums = leaf_argnums(args)
 
     def flat(*leaves: Any) -> Any:
         return fn(*jax.tree.unflatten(tree, leaves), **kwargs)
 
-    out = []
-    for aval, src in saved_residuals(flat, *leaves):
-        shape, dtype = tuple(aval.shape), str(np.dtype(aval.dtype))
-        nbytes = _aval_bytes(aval)
-        if m := _NAMED.search(src):
-            out.append(Residual("tag", m.group("name"), shape, dtype, nbytes))
-        elif m := _ARG.search(src):
-            name = m.group("name")
-            idx = re.fullmatch(r"leaves\[(\d+)\]", name)
-            argnum = argnums[int(idx.group(1))] if idx else None
-            out.append(Residual("argument", name, shape, dtype, nbytes, argnum))
+    closed, shapes = jax.make_jaxpr(lambda *a: jax.vjp(flat, *a), return_shape=True)(*leaves)
+    jaxpr = closed.jaxpr
+    n_res = len(jax.tree.leaves(shapes[1]))
+    out, seen = [], set()
+    for var in jaxpr.outvars[len(jaxpr.outvars) - n_res:]:
+        if not isinstance(var, jcore.Literal):
+            if var in seen:
+                continue  # one buffer, listed once (as JAX lists it)
+            seen.add(var)
+        aval = var.aval
+        shape, dtype, nbytes = tuple(aval.shape), str(np.dtype(aval.dtype)), _aval_bytes(aval)
+        kind, what = _source(var, jaxpr)
+        if kind == "input":
+            name = "args" + jax.tree_util.keystr(flat_paths[what][0])
+            out.append(Residual("argument", name, shape, dtype, nbytes, argnums[what]))
         else:
-            out.append(Residual("other", src, shape, dtype, nbytes))
+            out.append(Residual(kind, what, shape, dtype, nbytes))
     return out
 
 
@@ -145,6 +223,7 @@ _FREE = {
     "exp", "exp2", "log", "log1p", "tanh", "logistic", "rsqrt", "sqrt", "sin", "cos",
     "erf", "erf_inv", "pow", "expm1", "atan2", "cbrt", "random_bits", "random_wrap",
     "random_unwrap", "random_seed", "threefry2x32",
+    "remat2", "call_hi_primitive",  # remat calls (and remat3's tags): their jaxprs are walked
 }
 _REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
            "reduce_and", "reduce_or", "cumsum", "cummax", "cumlogsumexp"}
@@ -300,9 +379,8 @@ def jaxpr_graph(jaxpr: Any, *, unknown: Sequence[bool],
             if prim == "optimization_barrier":
                 env.update(zip(eqn.outvars, ins))
                 continue
-            named = is_name_primitive(eqn.primitive)
-            outs = [fresh(ov.aval, role=eqn.params["name"] if named else None, eqn=eqn)
-                    for ov in eqn.outvars]
+            tag = tag_of(eqn)
+            outs = [fresh(ov.aval, role=tag, eqn=eqn) for ov in eqn.outvars]
             env.update(zip(eqn.outvars, outs))
             present = [n for n in ins if n is not None]
             if not outs:

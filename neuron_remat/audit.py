@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -119,7 +118,8 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
     infos = _trace.emitted_tags(fn, args, kwargs)
     names = [i.name for i in infos]
     patterns = [*policy.save, *policy.offload]
-    dead = tuple(p for p in patterns if not any(re.fullmatch(p, n) for n in names))
+    matched = {p for n in names for _, p in policy.matching(n)}  # linear-time matching
+    dead = tuple(p for p in patterns if p not in matched)
     if dead and strict:
         raise DeadPatternError(
             f"patterns {list(dead)} match none of the tags the function emits: {names}")

@@ -414,12 +414,15 @@ def _as_parallelism(par: Any) -> models.Parallelism:
 
 
 @dataclass(frozen=True, eq=False)
-class DeferredPolicy:
+class DeferredPolicy(policies.ResolvingPolicy):
     """A remat policy that resolves itself the first time JAX asks it about a primitive.
 
     Adapters hand this to ``jax.checkpoint`` so that wrapping a layer at import time does
     not detect the device (and start JAX's backends) before the program has set itself up,
     e.g. before ``jax.distributed.initialize()``. Once resolved it keeps its answer.
+
+    A `policies.ResolvingPolicy`, so JAX's new remat (``jax_remat3``) honours it too: it
+    resolves when remat3 first asks about a tag or a matmul.
 
     Compared by identity: JAX caches remat partial evaluation per (function, policy), and
     two deferred policies with equal context may resolve differently (the environment can
@@ -435,13 +438,15 @@ class DeferredPolicy:
             kwargs = {k: _thaw(v) for k, v in self.context}
             choice = resolve_policy(default=_thaw(self.default), **kwargs)
             object.__setattr__(self, "_choice", choice)
+            policies.warn_if_ignored(choice.policy, "neuron_remat's deferred policy",
+                                     names_only=True)
         return choice
 
     def __call__(self, prim: Any, *args: Any, **params: Any) -> Any:
         policy = self.resolve().policy
         if policy is None:
             return False  # jax.checkpoint's own default: save nothing
-        return policy(prim, *args, **params)
+        return self.answer(policy(prim, *args, **params))
 
 
 class _Held:

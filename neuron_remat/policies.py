@@ -6,32 +6,54 @@ it when an offload pattern does, and recomputes everything else. It is a frozen 
 equal patterns make equal, equally hashed policies, so a host's jit cache is hit when a
 policy is rebuilt. `save_and_offload_only_these_names_regex` builds one with axlearn's
 exact keyword signature.
+
+Both of JAX's remat implementations honour it. The original one (``jax.checkpoint``'s
+default through JAX 0.10) calls the policy on every primitive. The new one (``jax_remat3``,
+opt-in in JAX 0.10) never calls a policy: it asks ``name in policy.saveable_names`` of
+instances of its own ``SaveOnlyTheseNames`` and treats every other callable as full remat.
+A `RegexPolicy` is such an instance (on JAX versions that have the class), and its
+``saveable_names`` answers membership with the save patterns, so both implementations
+make the same decisions. remat3 has no offload: under it, tags the offload patterns match
+are recomputed (the memory-safe reading), and `warn_if_ignored` says so once.
+
+Patterns are matched by `_regex.SafePattern`, in time linear in the tag's length; a
+pattern that would need unbounded backtracking is refused when the policy is built.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import re
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+import jax
+from jax._src import ad_checkpoint as _jax_remat
 from jax._src.ad_checkpoint import name_p
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 
-from . import models
+from . import _regex, models
 from .device import looks_like_neuron
 
 __all__ = [
+    "NamesPolicy",
     "PRESETS",
     "Preset",
     "RegexPolicy",
+    "ResolvingPolicy",
     "preset",
+    "active_remat",
     "save_and_offload_only_these_names_regex",
     "trn2_preset",
+    "warn_if_ignored",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 _NAME = str(name_p)
@@ -48,15 +70,24 @@ _PROBES = ("x", "Z", "0", "_", ".", "a.b", "q_proj", "MultiheadAttention.q_proj"
 def _as_text(p: PatternLike) -> str:
     if isinstance(p, re.Pattern):
         flags = p.flags & ~re.UNICODE
-        letters = "".join(c for f, c in ((re.IGNORECASE, "i"), (re.MULTILINE, "m"),
-                                         (re.DOTALL, "s"), (re.VERBOSE, "x")) if flags & f)
-        if flags & ~(re.IGNORECASE | re.MULTILINE | re.DOTALL | re.VERBOSE):
+        if not isinstance(p.pattern, str):
+            raise TypeError(f"pattern {p.pattern!r} is a bytes pattern; tags are str")
+        inline = ((re.IGNORECASE, "i"), (re.MULTILINE, "m"), (re.DOTALL, "s"),
+                  (re.VERBOSE, "x"), (re.ASCII, "a"))
+        letters = "".join(c for f, c in inline if flags & f)
+        if flags & ~(re.IGNORECASE | re.MULTILINE | re.DOTALL | re.VERBOSE | re.ASCII):
             raise ValueError(f"pattern {p.pattern!r} uses regex flags that cannot be written "
-                             "inline; use i, m, s or x only")
-        return f"(?{letters}:{p.pattern})" if letters else p.pattern
+                             "inline; use i, m, s, x or a only")
+        return _scoped(letters, p.pattern) if letters else p.pattern
     if not isinstance(p, str):
         raise TypeError(f"a pattern must be a str or re.Pattern, got {type(p).__name__}: {p!r}")
     return p
+
+
+def _scoped(letters: str, body: str) -> str:
+    """`body` under inline flags scoped to it; a verbose body's trailing comment ends at
+    the newline, before the closing parenthesis."""
+    return f"(?{letters}:{body}\n)" if "x" in letters else f"(?{letters}:{body})"
 
 
 def _top_level_split(pattern: str) -> list[str]:
@@ -89,7 +120,7 @@ def _alternatives(pattern: str) -> list[str]:
     """The top-level alternatives of `pattern`, looking through one group that wraps it
     all: ``(a|b.*)`` -> ``["a", "b.*"]``. Patterns that would change meaning when split
     (global inline flags, group references) are kept whole."""
-    if re.search(r"\\\d|\(\?P=", pattern):
+    if re.search(r"\\\d|\(\?P=|\(\?\(", pattern):
         return [pattern]
     inner = pattern
     m = re.fullmatch(r"\((\?:)?(.*)\)", pattern, re.DOTALL)
@@ -124,31 +155,104 @@ def _normalise(patterns: Patterns, what: str) -> tuple[str, ...]:
         text = _as_text(item)
         if text == "":
             raise ValueError(f"an empty {what} pattern matches only an empty tag; leave it out")
-        flags = re.match(r"\(\?([aiLmsux]+)\)", text)
-        if flags:  # leading global flags become scoped ones, so patterns can be joined
-            text = f"(?{flags.group(1)}:{text[flags.end():]})"
         try:
             re.compile(text)
         except re.error as err:
             raise ValueError(f"invalid regex {text!r} in {what} patterns: {err}") from None
+        flags = re.match(r"\(\?([aimsux]+)\)", text)
+        if flags:  # leading global flags become scoped ones, so patterns can be joined
+            letters, body = flags.group(1).replace("u", ""), text[flags.end():]
+            text = _scoped(letters, body) if letters else body
         for part in _alternatives(text):
             if part not in out:
                 out.append(part)
     return tuple(out)
 
 
-def _alternation(patterns: tuple[str, ...]) -> re.Pattern[str] | None:
-    if not patterns:
-        return None
-    return re.compile("|".join(f"(?:{p})" for p in patterns))
+def _matchers(patterns: tuple[str, ...], what: str) -> tuple[_regex.SafePattern, ...]:
+    out = []
+    for p in patterns:
+        try:
+            out.append(_regex.SafePattern(p))
+        except _regex.PatternError as err:
+            raise _regex.PatternError(f"{err} (in the {what} patterns)") from None
+    return tuple(out)
 
 
-def _matches_everything(rx: re.Pattern[str]) -> bool:
-    return all(rx.fullmatch(s) for s in _PROBES)
+def _matches_everything(matchers: Sequence[_regex.SafePattern]) -> bool:
+    return all(any(m.fullmatch(s) for m in matchers) for s in _PROBES)
+
+
+# The policy base JAX's new remat (jax_remat3) recognises; JAX < 0.9 has no such class
+# (and no remat3), so there any base will do.
+_NamesBase: type = getattr(_jax_remat, "SaveOnlyTheseNames", object)
+
+
+class _RegexNames:
+    """The ``saveable_names`` JAX's remat3 consults: ``name in`` it is the policy's save
+    decision for that tag. It cannot be iterated: the set a regex names is open."""
+
+    __slots__ = ("_saves",)
+
+    def __init__(self, saves: Callable[[str], bool]) -> None:
+        self._saves = saves
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._saves(name)
+
+    def __repr__(self) -> str:
+        return "<tags the save patterns fully match>"
+
+
+@dataclass(frozen=True, eq=False)
+class NamesPolicy(_NamesBase):
+    """Base of policy objects both JAX remat implementations honour: a subclass decides
+    per ``checkpoint_name`` tag in `saves` (and may decide more in ``__call__``, which the
+    original implementation calls); JAX's new remat (``jax_remat3``) asks
+    ``name in policy.saveable_names``, which answers with `saves`. Compared by identity
+    unless a subclass says otherwise."""
+
+    saveable_names: Any = field(default=None, init=False, repr=False, compare=False)
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "saveable_names", _RegexNames(self.saves))
+
+    def saves(self, name: str) -> bool:
+        """Whether the tag `name` is kept in device memory for the backward."""
+        return self(name_p, name=name) in (Saveable, True)
+
+    def __call__(self, prim: Any, *args: Any, **params: Any) -> Any:
+        raise NotImplementedError
+
+
+_DotsBase = getattr(_jax_remat, "DotsSaveable", None)  # JAX >= 0.9
+
+
+@dataclass(frozen=True, eq=False)
+class ResolvingPolicy(NamesPolicy, *((_DotsBase,) if _DotsBase is not None else ())):
+    """A `NamesPolicy` whose answers are only known when JAX traces (an adapter's policy,
+    resolved on first use). JAX's new remat asks it about tags (``saveable_names``) and,
+    being a ``DotsSaveable`` too, about matmuls, so a resolved ``dots_saveable`` keeps its
+    dots under both implementations. `answer` turns a decision into what both accept."""
+
+    only_if_no_batch_dims: bool = field(default=False, init=False, repr=False, compare=False)
+
+    @staticmethod
+    def answer(decision: Any) -> Any:
+        """`decision` as a bool where it is one (remat3's matmul rule reads truthiness,
+        and JAX's ``Recompute`` is truthy); offload decisions pass through."""
+        if decision is Saveable:
+            return True
+        if decision is Recompute or decision is None:
+            return False
+        return decision
 
 
 @dataclass(frozen=True)
-class RegexPolicy:
+class RegexPolicy(NamesPolicy):
     """Save (or offload) the ``checkpoint_name`` tags that fully match a pattern.
 
     Args:
@@ -188,15 +292,16 @@ class RegexPolicy:
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
-        set_("_save_rx", _alternation(self.save))
-        set_("_offload_rx", _alternation(self.offload))
+        set_("_save_rx", _matchers(self.save, "save"))
+        set_("_offload_rx", _matchers(self.offload, "offload"))
         set_("_decisions", {})
+        super().__post_init__()
         if not self.allow_everything:
             for what, pats, rx in (("save", self.save, self._save_rx),
                                    ("offload", self.offload, self._offload_rx)):
-                if rx is None:
+                if not rx:
                     continue
-                culprit = next((p for p in pats if _matches_everything(re.compile(p))), None)
+                culprit = next((m.pattern for m in rx if _matches_everything([m])), None)
                 if culprit is not None or _matches_everything(rx):
                     shown = repr(culprit) if culprit is not None else f"{what} patterns {pats}"
                     raise ValueError(
@@ -226,9 +331,9 @@ class RegexPolicy:
         return cached
 
     def _decide(self, name: str) -> Any:
-        if self._save_rx is not None and self._save_rx.fullmatch(name):  # type: ignore[attr-defined]
+        if any(m.fullmatch(name) for m in self._save_rx):  # type: ignore[attr-defined]
             return Saveable
-        if self._offload_rx is not None and self._offload_rx.fullmatch(name):  # type: ignore[attr-defined]
+        if any(m.fullmatch(name) for m in self._offload_rx):  # type: ignore[attr-defined]
             return Offloadable(src=self.offload_src, dst=self.offload_dst)
         return Recompute
 
@@ -243,18 +348,20 @@ class RegexPolicy:
 
     def matching(self, tag: str) -> tuple[tuple[str, str], ...]:
         """Every (kind, pattern) that fully matches `tag`, saves first."""
-        return tuple((kind, p) for kind, pats in (("save", self.save), ("offload", self.offload))
-                     for p in pats if re.fullmatch(p, tag))
+        return tuple((kind, m.pattern) for kind, ms in (("save", self._save_rx),  # type: ignore[attr-defined]
+                                                         ("offload", self._offload_rx))  # type: ignore[attr-defined]
+                     for m in ms if m.fullmatch(tag))
 
     @property
     def save_regex(self) -> str | None:
         """The save patterns as one regex string (what axlearn's
-        ``names_which_can_be_saved`` takes)."""
-        return "|".join(self.save) if self.save else None
+        ``names_which_can_be_saved`` takes): a lone pattern as it is, several joined
+        with their group numbers and names rewritten so none changes meaning."""
+        return _joined(self.save)
 
     @property
     def offload_regex(self) -> str | None:
-        return "|".join(self.offload) if self.offload else None
+        return _joined(self.offload)
 
     def __or__(self, other: RegexPolicy) -> RegexPolicy:
         """Save what either saves; offload what either offloads."""
@@ -281,12 +388,87 @@ class RegexPolicy:
         return f"RegexPolicy({', '.join(parts)})"
 
     def __getstate__(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name != "saveable_names"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         for key, value in state.items():
             object.__setattr__(self, key, value)
         self.__post_init__()
+
+
+def _joined(patterns: tuple[str, ...]) -> str | None:
+    if not patterns:
+        return None
+    return patterns[0] if len(patterns) == 1 else _regex.join(patterns)
+
+
+def active_remat() -> str:
+    """``"remat3"`` when JAX's new remat implementation is on (``jax_remat3``, JAX >= 0.10),
+    else ``"remat2"`` (``jax.checkpoint``'s original implementation)."""
+    return "remat3" if getattr(jax.config, "jax_remat3", False) else "remat2"
+
+
+_WARNED: set[tuple[str, str]] = set()
+_WARN_LOCK = threading.Lock()
+
+
+def _honoured_by_remat3(policy: Any) -> bool:
+    kinds = tuple(getattr(_jax_remat, n) for n in ("SaveOnlyTheseNames", "SaveAnyNamesButThese",
+                                                   "DotsSaveable") if hasattr(_jax_remat, n))
+    return (policy is None or policy is _jax_remat.everything_saveable
+            or policy is _jax_remat.nothing_saveable or isinstance(policy, kinds))
+
+
+def warn_if_ignored(policy: Any, where: str = "jax.checkpoint", *,
+                    names_only: bool = False) -> str | None:
+    """Log a warning, once per kind of policy, when the active remat implementation would
+    not honour `policy`, and return its text (None when it would be honoured).
+
+    Under ``jax_remat3`` JAX honours only its own policy types: any other callable
+    (``dots_saveable``, a closure such as axlearn's regex policy, ...) becomes full remat,
+    and an offload decision becomes recompute, silently. Adapters call this where they
+    hand a policy to JAX; `where` names that place in the message. With `names_only`,
+    `policy` reaches JAX inside a `NamesPolicy` wrapper, so its decisions on tags are kept
+    and only what else it saves is lost.
+    """
+    if active_remat() != "remat3":
+        return None
+    if isinstance(policy, NamesPolicy) and not isinstance(policy, RegexPolicy):
+        return None
+    if isinstance(policy, RegexPolicy):
+        if not policy.offload:
+            return None
+        key = ("offload", "RegexPolicy")
+        text = (f"{where}: jax_remat3 is on and JAX's new remat has no offload; the tags "
+                f"{list(policy.offload)} would offload to {policy.offload_dst!r} are "
+                "recomputed instead. Turn jax_remat3 off (JAX_REMAT3=false) to offload, or "
+                "save those tags.")
+    elif _honoured_by_remat3(policy):
+        return None
+    elif names_only:
+        kind = getattr(policy, "__qualname__", None) or type(policy).__qualname__
+        key = ("names-only", f"{getattr(policy, '__module__', '')}.{kind}")
+        text = (f"{where}: jax_remat3 is on and JAX's new remat only saves checkpoint_name "
+                f"tags; the policy {kind} ({policy!r:.80}) keeps its decisions on tags, but "
+                "anything else it would save (dots, other primitives) is recomputed. Name "
+                "the values with checkpoint_name and save them by name, or turn jax_remat3 "
+                "off (JAX_REMAT3=false).")
+    else:
+        kind = getattr(policy, "__qualname__", None) or type(policy).__qualname__
+        key = ("ignored", f"{getattr(policy, '__module__', '')}.{kind}")
+        text = (f"{where}: jax_remat3 is on and JAX's new remat honours only its own policy "
+                f"types (save_only_these_names, save_any_names_but_these, dots_saveable, "
+                f"everything_saveable); the policy {kind} ({policy!r:.80}) is ignored and "
+                "every value is recomputed (full remat). Use neuron_remat.RegexPolicy or "
+                "neuron_remat.policies.save_and_offload_only_these_names_regex (honoured by "
+                "both implementations), or turn jax_remat3 off (JAX_REMAT3=false).")
+    with _WARN_LOCK:
+        first = key not in _WARNED
+        _WARNED.add(key)
+    if first:
+        logger.warning("%s", text)
+    return text
 
 
 def save_and_offload_only_these_names_regex(

@@ -7,8 +7,8 @@ import sys
 
 import neuron_remat
 
-ORDER = ["device", "models", "graph", "moe", "memory_model", "_trace", "policies", "audit",
-         "planner", "multihost", "plugin", "cli"]
+ORDER = ["device", "models", "graph", "moe", "memory_model", "_trace", "_regex", "policies",
+         "audit", "planner", "multihost", "plugin", "cli"]
 PACKAGE = pathlib.Path(neuron_remat.__file__).parent
 
 

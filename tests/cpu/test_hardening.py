@@ -471,7 +471,9 @@ def test_cli_audit_targets_and_patterns(tmp_path, monkeypatch):
         (["user_mod:three"], "must return (fn, args)"),
         (["user_mod:value"], "not a function"),
         (["user_mod"], "not MODULE:FUNCTION"),
-        (["user_mod:three", "--save", "(?P<n>a)", "(?P<n>b)"], "group name 'n'"),
+        # Patterns are checked before the target runs; two patterns may reuse a group name.
+        (["user_mod:three", "--save", "(a"], "invalid regex '(a'"),
+        (["user_mod:three", "--save", "(?P<n>a)", "(?P<n>b)"], "must return (fn, args)"),
     ]
     for argv, words in cases:
         rc, _, err = run_cli("audit", *argv)

@@ -240,9 +240,9 @@ def test_preset_saves_what_literal_names_save(layer_args, name):
     x, params = layer_args
     policy = pol.preset(name)
     literal = [t for t in NAMES.values() if policy.action(t) == "save"]
-    jax_policy = checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=literal, names_which_can_be_offloaded=[],
-        offload_src="device", offload_dst="pinned_host")
+    # JAX's own names policy, which both remat implementations honour (remat3 ignores the
+    # closure save_and_offload_only_these_names returns).
+    jax_policy = checkpoint_policies.save_only_these_names(*literal)
 
     def kept(p):
         return [(a.str_short(), src) for a, src in
@@ -261,8 +261,10 @@ def test_gradients_under_every_preset_equal_no_remat(layer_args, name):
     want = jax.grad(loss(layer), argnums=(0, 1))(x, params)
     got = jax.grad(loss(jax.checkpoint(layer, policy=pol.preset(name))), argnums=(0, 1))(
         x, params)
+    # float32: JAX 0.7's XLA orders the recomputed sums differently (single elements move
+    # by ~2e-5 relative there).
     for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
 # --- the audit -------------------------------------------------------------------------
