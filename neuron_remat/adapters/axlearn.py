@@ -40,11 +40,13 @@ from typing import Any
 from .. import planner
 from ..device import DeviceSpec, detect, from_instance_type
 from ..plugin import resolve_policy
+from .. import policies
 from ..policies import RegexPolicy
 from ._axlearn_config import (STACK_PATH, ConfigReadError, TrainerDescription,
                               describe_trainer, stack_kind)
 
-__all__ = ["AXLEARN_COMMIT", "LAYER_PATH", "POLICY_FN", "ConfigReadError", "RematSettings",
+__all__ = ["AXLEARN_COMMIT", "LAYER_PATH", "POLICY_FN", "REMAT3_POLICY_FN", "ConfigReadError",
+           "RematSettings",
            "TrainerDescription", "TrainerPlan", "describe_trainer", "modify", "plan_trainer",
            "remat_plan_modifier", "remat_settings", "remat_spec", "stack_kind"]
 
@@ -54,6 +56,10 @@ AXLEARN_COMMIT = "34aed43c1b6e581c4753d06d7cbeedd5010ef26b"
 """The apple/axlearn commit whose config paths, class names and tag names this follows."""
 LAYER_PATH = f"{STACK_PATH}.layer"
 POLICY_FN = "axlearn.common.utils.save_and_offload_only_these_names_regex"
+REMAT3_POLICY_FN = "neuron_remat.policies.save_and_offload_only_these_names_regex"
+"""Under ``jax_remat3`` the spec names this function instead: same keywords, but it returns
+a `RegexPolicy`, which JAX's new remat honours. axlearn's own returns a closure, which that
+implementation would silently treat as full remat."""
 _NEED_AXLEARN = (
     "neuron_remat.adapters.axlearn.{what} needs axlearn, which is not importable here "
     "({err}); install it from git next to a JAX it supports, e.g. "
@@ -76,10 +82,29 @@ class RematSettings:
                 "policy": {"fn": self.policy_fn, **self.policy_kwargs}}
 
 
+def _policy_fn(axlearn_fn: Any) -> Any:
+    """The function the spec's policy config calls: axlearn's own, as its golden configs
+    spell it, except under ``jax_remat3`` (see `REMAT3_POLICY_FN`), which is logged once."""
+    global _REMAT3_LOGGED
+    if policies.active_remat() != "remat3":
+        return axlearn_fn
+    if not _REMAT3_LOGGED:
+        _REMAT3_LOGGED = True
+        logger.warning(
+            "neuron_remat: jax_remat3 is on, and JAX's new remat treats the closure axlearn's "
+            "save_and_offload_only_these_names_regex returns as full remat; the remat_spec "
+            "names %s (the same keywords) instead", REMAT3_POLICY_FN)
+    return policies.save_and_offload_only_these_names_regex
+
+
+_REMAT3_LOGGED = False
+
+
 def _settings(policy: RegexPolicy, prevent_cse: bool, layer_path: str = LAYER_PATH
               ) -> RematSettings:
     return RematSettings(
         prevent_cse=prevent_cse, layer_path=layer_path,
+        policy_fn=REMAT3_POLICY_FN if policies.active_remat() == "remat3" else POLICY_FN,
         policy_kwargs={"names_which_can_be_saved": policy.save_regex,
                        "names_which_can_be_offloaded": policy.offload_regex,
                        "offload_src": policy.offload_src, "offload_dst": policy.offload_dst})
@@ -118,7 +143,8 @@ def _axlearn(what: str) -> tuple[Any, Any, Any, Any, Any]:
 def _build_spec(settings: RematSettings, what: str) -> Any:
     _, _, config_for_function, remat_spec_cls, policy_fn = _axlearn(what)
     return remat_spec_cls(prevent_cse=settings.prevent_cse,
-                          policy=config_for_function(policy_fn).set(**settings.policy_kwargs))
+                          policy=config_for_function(_policy_fn(policy_fn)).set(
+                              **settings.policy_kwargs))
 
 
 def remat_spec(stack_class: Any, **context: Any) -> Any:
@@ -276,8 +302,8 @@ def _define_modifier(config_modifier: Any, config_class: Any, config_for_functio
                             result.settings.layer_path)
             s = result.settings
             layer.remat_spec = remat_spec_cls(
-                prevent_cse=s.prevent_cse, policy=config_for_function(policy_fn).set(
-                    **s.policy_kwargs))
+                prevent_cse=s.prevent_cse, policy=config_for_function(
+                    _policy_fn(policy_fn)).set(**s.policy_kwargs))
             logger.info("neuron_remat: %s", result.summary())
             return cfg
 

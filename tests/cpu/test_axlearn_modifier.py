@@ -401,3 +401,29 @@ def test_fuji_70b_in_a_two_process_job_plans_with_no_arguments(tmp_path):
     planned = nr.plan(TRN2, nr.get_model("fuji-70b-v3"), nr.StepShape(seq_len=8192),
                       nr.Parallelism(tp=4, sequence_parallel=True, fsdp=-1, hosts=2))
     assert got["saved"] == planned.policy.save_regex != PR_898
+
+
+@pytest.mark.skipif(not hasattr(jax.config, "jax_remat3"), reason="JAX has no jax_remat3")
+def test_under_remat3_the_spec_names_a_policy_jax_honours(axlearn, trn2, caplog):
+    # axlearn's function returns a closure, which JAX's new remat would silently treat as
+    # full remat; under jax_remat3 the spec names neuron_remat's function of the same
+    # keywords, whose RegexPolicy that implementation honours, and says so once.
+    from jax._src import ad_checkpoint
+
+    old = jax.config.jax_remat3
+    jax.config.update("jax_remat3", True)
+    logged_before = ax._REMAT3_LOGGED
+    ax._REMAT3_LOGGED = False
+    try:
+        with caplog.at_level(logging.WARNING, logger="neuron_remat"):
+            cfg = _launch("70B", ax.remat_plan_modifier(hosts=64))
+            _launch("70B", ax.remat_plan_modifier(hosts=64))
+    finally:
+        jax.config.update("jax_remat3", old)
+        ax._REMAT3_LOGGED = logged_before
+    spec = _spec(cfg)
+    assert f"{spec.policy.fn.__module__}.{spec.policy.fn.__name__}" == ax.REMAT3_POLICY_FN
+    policy = spec.policy.instantiate()
+    assert isinstance(policy, ad_checkpoint.SaveOnlyTheseNames)
+    assert "FlashAttention.q_proj" in policy.saveable_names
+    assert sum("jax_remat3 is on" in r.message for r in caplog.records) == 1
