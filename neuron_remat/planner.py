@@ -18,7 +18,7 @@ from ._format import fmt_bytes, grid
 from .device import DeviceSpec
 from .policies import RegexPolicy
 
-__all__ = ["Choice", "NoFitError", "Plan", "TagDecision", "plan"]
+__all__ = ["Choice", "CompiledFit", "NoFitError", "Plan", "Probe", "TagDecision", "plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,60 @@ layer."""
 
 class NoFitError(ValueError):
     """Even full recompute does not fit the budget."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One compile of the training step (`fit`): what XLA allocated and computed.
+
+    `bytes` is ``argument + output + temp - alias`` from ``memory_analysis()``; `saved` is
+    None for no remat. `predicted_bytes` is what the fitted model said before this compile
+    (None for the probes it was fitted on)."""
+
+    label: str
+    saved: tuple[str, ...] | None
+    bytes: int
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    flops: float
+    seconds: float
+    predicted_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class CompiledFit:
+    """What `fit` learned from compiling the step, and the confirmed choice.
+
+    The model: ``bytes(S) = fixed_bytes + kept(S) + workspace_slope x read(S)``, kept(S)
+    the residuals of every layer, read(S) the bytes one layer's backward reads that S
+    recomputes (`workspace_bytes` for the choice); `fixed_bytes` holds the state and the
+    step's policy-independent temporaries. `workspace_error_bytes` is the model's largest
+    miss on the compiles made (before the per-tag corrections). `measured` is False when
+    the backend had no ``memory_analysis()`` and `bytes` is the uncalibrated model's."""
+
+    hbm_bytes: int
+    reserve_bytes: int
+    limit_bytes: int
+    bytes: int
+    flops: float
+    no_remat: bool
+    compiles: int
+    probes: tuple[Probe, ...]
+    fixed_bytes: int
+    workspace_slope: float
+    workspace_bytes: int
+    workspace_error_bytes: int
+    layers: int
+    step_flops: float
+    recompute_flops: float
+    measured: bool = True
+
+    @property
+    def overhead(self) -> float:
+        """Recompute as a fraction of the step without remat (every layer counted)."""
+        return self.recompute_flops / self.step_flops if self.step_flops else float("nan")
 
 
 @dataclass(frozen=True)
@@ -79,6 +133,7 @@ class Plan:
     parallelism: models.Parallelism | None = None
     no_remat_bytes_per_layer: int = 0
     notes: tuple[str, ...] = ()
+    compiled: CompiledFit | None = None  # set by `fit`: the compiled step's figures
 
     @property
     def headroom_bytes(self) -> int:
@@ -129,6 +184,9 @@ class Plan:
             "runner_ups": [dataclasses.asdict(c) for c in self.runner_ups],
             "notes": list(self.notes),
         }
+        if self.compiled is not None:
+            out["compiled"] = dataclasses.asdict(self.compiled)
+            out["compiled"]["overhead"] = self.compiled.overhead
         if self.device is not None:
             out["device"] = self.device.to_dict()
         if self.budget is not None:

@@ -7,7 +7,8 @@ import sys
 
 import neuron_remat
 
-ORDER = ["device", "models", "graph", "memory_model", "_trace", "policies", "audit", "planner", "plugin", "cli"]
+ORDER = ["device", "models", "graph", "memory_model", "_trace", "policies", "audit", "planner",
+         "fit", "plugin", "cli"]
 PACKAGE = pathlib.Path(neuron_remat.__file__).parent
 
 
