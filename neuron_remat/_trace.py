@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax._src.ad_checkpoint import name_p, saved_residuals, save_only_these_names
+from jax._src.ad_checkpoint import name_p, saved_residuals
 from jax.extend import core as jcore
 
-from .graph import Footprint, TagCost
+from .graph import Footprint, LayerGraph, Op, TagCost, Value
 
 NAME_PRIMITIVE = str(name_p)
 
@@ -168,6 +169,165 @@ def eqn_flops(eqn: Any) -> int:
     return int(math.prod(getattr(out, "shape", ()))) if out is not None else 0
 
 
+# --------------------------------------------------------------------------------------
+# The jaxpr builder of the layer graph.
+# --------------------------------------------------------------------------------------
+
+# Call-like equations whose body is inlined: their inside is ordinary dataflow that JAX's
+# remat partial evaluation splits equation by equation (its rules for these recurse).
+_INLINE = {"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat2", "remat",
+           "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+# Loops and branches stay single (opaque) ops: their FLOPs are their bodies' (a scan's times
+# its length, every cond branch added), and a loop that mixes primal and tangent inputs is
+# treated as part of the backward, which then reads all its primal inputs.
+_LOOPS = {"scan", "while", "cond"}
+
+
+def _inner(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        j = eqn.params.get(key)
+        if isinstance(j, jcore.ClosedJaxpr):
+            return j.jaxpr, j.consts
+        if isinstance(j, jcore.Jaxpr):
+            return j, ()
+    return None
+
+
+def _op_flops(eqn: Any) -> int:
+    if str(eqn.primitive) in _LOOPS:
+        return sum(eqn_flops(e) * m for sub, mult in _sub_jaxprs(eqn) for e, m in _walk(sub, mult))
+    return eqn_flops(eqn)
+
+
+def _itemsize(aval: Any) -> int:
+    dtype = getattr(aval, "dtype", None)
+    if dtype is None:
+        return 0
+    try:
+        return int(np.dtype(dtype).itemsize)
+    except TypeError:  # extended dtypes (PRNG keys)
+        return int(getattr(dtype, "itemsize", 0) or 0)
+
+
+def jaxpr_graph(jaxpr: Any, *, unknown: Sequence[bool],
+                activation: Sequence[bool] | None = None) -> LayerGraph:
+    """The `LayerGraph` of a jaxpr split into a known (primal) and an unknown part.
+
+    `unknown[i]` says whether invar i is unknown (a tangent or cotangent) or known (a primal
+    value: a layer activation or a parameter). `activation[i]` says whether a known invar is
+    an activation, whose bytes count when the backward reads it (default: every known invar);
+    the others are parameters, kept at no cost. Give the JVP jaxpr of a layer (primals known,
+    tangents unknown) or the body of a differentiated ``remat`` (residuals known, cotangents
+    unknown).
+
+    Call-like equations (jit, closed_call, custom_jvp/vjp calls, nested checkpoints) are
+    inlined and ``optimization_barrier`` is the identity. Each equation whose inputs are all
+    known becomes an `Op` (FLOPs as XLA's cost analysis counts them, `eqn_flops`), each known
+    variable a `Value`, tagged with the ``checkpoint_name`` that produced it. The graph's
+    `reads` are the known variables that live unknown equations read: exactly what the
+    backward reads. Under a names policy, JAX's remat partial evaluation
+    (``pe.partial_eval_jaxpr_custom``) keeps such a value when it is an input or a saved
+    name, and otherwise recomputes its equation, whose inputs are read in turn: what
+    `LayerGraph.evaluate` computes. Every intermediate is explicit, so no `Op.internal`.
+    Loops and branches (scan, while, cond) are single opaque ops (see `_LOOPS`).
+    """
+    closed_consts: Sequence[Any] = ()
+    if isinstance(jaxpr, jcore.ClosedJaxpr):
+        jaxpr, closed_consts = jaxpr.jaxpr, jaxpr.consts
+    unknown = list(unknown)
+    if len(unknown) != len(jaxpr.invars):
+        raise ValueError(f"unknown has {len(unknown)} entries for {len(jaxpr.invars)} invars")
+    acts = [True] * len(unknown) if activation is None else list(activation)
+    if len(acts) != len(unknown):
+        raise ValueError(f"activation has {len(acts)} entries for {len(unknown)} invars")
+
+    values: dict[str, Value] = {}
+    unk: set[str] = set()
+    ops: list[Op] = []
+    staged: list[tuple[list[str], list[str], list[str]]] = []  # (unknown in, known in, out)
+    inputs: list[str] = []
+    params: list[str] = []
+    counter = [0]
+
+    def fresh(aval: Any, prefix: str = "v", role: str | None = None,
+              eqn: Any = None) -> str:
+        name = f"{prefix}{counter[0]}"
+        counter[0] += 1
+        dot = batch = False
+        if eqn is not None and str(eqn.primitive) == "dot_general":
+            dot = True
+            (_, _), (lb, _) = eqn.params["dimension_numbers"]
+            batch = bool(lb)
+        values[name] = Value(name, tuple(getattr(aval, "shape", ())),
+                             str(getattr(aval, "dtype", "")), role, dot=dot, batch_dot=batch,
+                             itemsize=_itemsize(aval) or 1)
+        return name
+
+    def const(aval: Any) -> str:
+        name = fresh(aval, "const")
+        params.append(name)
+        return name
+
+    def read(env: dict[Any, str | None], atom: Any) -> str | None:
+        return None if isinstance(atom, jcore.Literal) else env[atom]
+
+    def expand(jx: Any, env: dict[Any, str | None]) -> None:
+        for eqn in jx.eqns:
+            ins = [read(env, a) for a in eqn.invars]
+            prim = str(eqn.primitive)
+            inner = _inner(eqn) if prim in _INLINE else None
+            if inner is not None:
+                sub, consts = inner
+                subenv: dict[Any, str | None] = {cv: const(cv.aval) for cv in sub.constvars}
+                assert len(consts) in (0, len(sub.constvars))
+                subenv.update(zip(sub.invars, ins))
+                expand(sub, subenv)
+                for ov, so in zip(eqn.outvars, sub.outvars):
+                    env[ov] = read(subenv, so)
+                continue
+            if prim == "optimization_barrier":
+                env.update(zip(eqn.outvars, ins))
+                continue
+            named = is_name_primitive(eqn.primitive)
+            outs = [fresh(ov.aval, role=eqn.params["name"] if named else None, eqn=eqn)
+                    for ov in eqn.outvars]
+            env.update(zip(eqn.outvars, outs))
+            present = [n for n in ins if n is not None]
+            if not outs:
+                continue
+            if any(n in unk for n in present):
+                unk.update(outs)
+                staged.append(([n for n in present if n in unk],
+                               [n for n in present if n not in unk], outs))
+                for n in outs:  # unknown values are not part of the graph
+                    values.pop(n)
+            else:
+                ops.append(Op(f"{prim}:{len(ops)}", tuple(dict.fromkeys(present)), outs[0],
+                              _op_flops(eqn), more_outputs=tuple(outs[1:])))
+
+    env: dict[Any, str | None] = {cv: const(cv.aval) for cv in jaxpr.constvars}
+    del closed_consts
+    for i, (v, u, a) in enumerate(zip(jaxpr.invars, unknown, acts)):
+        if u:
+            name = f"d{i}"
+            unk.add(name)
+        else:
+            name = fresh(v.aval, "in")
+            (inputs if a else params).append(name)
+        env[v] = name
+    expand(jaxpr, env)
+
+    live = {n for n in (read(env, o) for o in jaxpr.outvars) if n is not None and n in unk}
+    reads: list[str] = []
+    for u_in, k_in, outs in reversed(staged):
+        if live.intersection(outs):
+            live.update(u_in)
+            reads.extend(reversed(k_in))
+    reads = list(dict.fromkeys(reversed(reads)))
+    return LayerGraph(values=values, ops=tuple(ops), inputs=tuple(inputs),
+                      params=tuple(params), reads=tuple(reads))
+
+
 @dataclass(frozen=True)
 class ProgramCost:
     dot_generals: int  # equations, as written (a scan body counts once)
@@ -215,70 +375,123 @@ def checkpointed(fn: Callable[..., Any], policy: Any, prevent_cse: bool = True
     return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)
 
 
-def traced_footprint(fn: Callable[..., Any], *args: Any,
-                     activation_argnums: Sequence[int] = (0,),
-                     tags: Sequence[str] | None = None, **kwargs: Any) -> Footprint:
-    """Per-tag bytes and recompute FLOPs measured from `fn` itself.
+def activation_argnums(fn: Callable[..., Any], args: Sequence[Any],
+                       kwargs: dict[str, Any] | None = None) -> tuple[int, ...]:
+    """The positional argument that is the layer input: the one whose pytree structure,
+    shapes and dtypes match what `fn` returns (the scan carry). Every other argument is a
+    parameter. Raises ValueError, naming the candidates, when none or several match."""
+    kwargs = kwargs or {}
+    out = jax.eval_shape(lambda *a: fn(*a, **kwargs), *args)
 
-    For each tag `fn` emits: the bytes JAX keeps when only that tag is saved, beyond what
-    full remat keeps (from ``jax._src.ad_checkpoint.saved_residuals``), and the FLOPs of
-    the recomputation it avoids (from the linearized program). Arguments in
-    `activation_argnums` count as the layer's always-kept input; the others are parameters
-    (model state, not activations).
-    """
-    only = tags
-    acts = set(activation_argnums)
-    bad = [i for i in acts if not 0 <= i < len(args)]
+    def signature(tree: Any) -> tuple[Any, list[tuple[tuple[int, ...], str]]]:
+        leaves, struct = jax.tree.flatten(tree)
+        return struct, [(tuple(np.shape(leaf)), str(jnp.result_type(leaf))) for leaf in leaves]
+
+    want = signature(out)
+    found = [i for i, a in enumerate(args) if signature(a) == want]
+    if len(found) == 1:
+        return (found[0],)
+    shapes = [s for s, _ in want[1]]
+    described = ", ".join(f"{i}: {jax.tree.map(lambda a: tuple(np.shape(a)), a)}"
+                          for i, a in enumerate(args)) or "none"
+    if not found:
+        raise ValueError(
+            f"cannot tell which argument is the layer input: none matches the output "
+            f"({want[0]} with shapes {shapes}); arguments are {described}. Pass "
+            "activation_argnums=(i,) naming the layer input (the scan carry)")
+    raise ValueError(
+        f"cannot tell which argument is the layer input: arguments {found} all match the "
+        f"output ({want[0]} with shapes {shapes}). Pass activation_argnums=(i,) naming the "
+        "layer input (the scan carry)")
+
+
+def resolve_activation_argnums(fn: Callable[..., Any], args: Sequence[Any],
+                               kwargs: dict[str, Any] | None,
+                               given: Sequence[int] | int | None) -> tuple[int, ...]:
+    """`given` checked against the arguments, or inferred by `activation_argnums`."""
+    if given is None:
+        return activation_argnums(fn, args, kwargs)
+    nums = (given,) if isinstance(given, int) else tuple(given)
+    bad = [i for i in nums if not isinstance(i, int) or not 0 <= i < len(args)]
     if bad:
-        raise ValueError(f"activation_argnums {bad} out of range for {len(args)} arguments")
+        raise ValueError(f"activation_argnums {bad} out of range for {len(args)} positional "
+                         f"arguments (valid: 0 to {len(args) - 1})")
+    return nums
 
-    def kept(policy_names: frozenset[str]) -> tuple[int, dict[str, int]]:
-        res = residuals(checkpointed(fn, save_only_these_names(*policy_names)), args, kwargs)
-        by_tag: dict[str, int] = {}
-        activation = 0
-        for r in res:
-            if r.kind == "tag":
-                by_tag[r.name] = by_tag.get(r.name, 0) + r.bytes
-                activation += r.bytes
-            elif r.kind == "argument":
-                if r.argnum is None or r.argnum in acts:  # unknown: count it, to be safe
-                    activation += r.bytes
-            else:
-                activation += r.bytes
-        return activation, by_tag
 
-    def cost(policy_names: frozenset[str]) -> int:
-        policy = save_only_these_names(*policy_names)
-        return linearized_cost(checkpointed(fn, policy), args, kwargs).flops
+def traced_graph(fn: Callable[..., Any], args: Sequence[Any],
+                 kwargs: dict[str, Any] | None = None,
+                 activation_argnums: Sequence[int] = (0,)) -> LayerGraph:
+    """The `LayerGraph` of `fn`'s JVP jaxpr: primal arguments known (those in
+    `activation_argnums` count their bytes, the others are parameters), tangents of every
+    inexact argument unknown, as when a training step differentiates the layer with respect
+    to its input and its parameters."""
+    kwargs = kwargs or {}
+    leaves, tree = jax.tree.flatten(tuple(args))
+    nums = leaf_argnums(args)
+    acts = set(activation_argnums)
+    diff = [np.issubdtype(np.dtype(jnp.result_type(leaf)), np.inexact) for leaf in leaves]
 
-    infos = emitted_tags(fn, args, kwargs)
-    if only is not None:
-        missing = sorted(set(only) - {i.name for i in infos})
+    def jvp(primals: list[Any], tangents: list[Any]) -> Any:
+        def flat(*inexact: Any) -> Any:
+            it = iter(inexact)
+            full = [next(it) if d else leaf for d, leaf in zip(diff, primals)]
+            return fn(*jax.tree.unflatten(tree, full), **kwargs)
+
+        return jax.jvp(flat, [p for p, d in zip(primals, diff) if d], tangents)
+
+    tangents = [leaf for leaf, d in zip(leaves, diff) if d]
+    closed = jax.make_jaxpr(jvp)(leaves, tangents)
+    n, m = len(leaves), len(tangents)
+    return jaxpr_graph(closed, unknown=[False] * n + [True] * m,
+                       activation=[nums[i] in acts for i in range(n)] + [False] * m)
+
+
+def traced_footprint(fn: Callable[..., Any], *args: Any,
+                     activation_argnums: Sequence[int] | int | None = None,
+                     tags: Sequence[str] | None = None, **kwargs: Any) -> Footprint:
+    """Bytes kept and recompute FLOPs of `fn`'s tags, from `fn`'s own traced program.
+
+    The footprint carries the layer's graph (`jaxpr_graph` of its JVP), so
+    ``footprint.evaluate(saved_tags)`` is exact jointly for any subset: the bytes JAX keeps
+    (as ``saved_residuals`` reports them, parameters excluded) and the recompute FLOPs (as
+    XLA's cost analysis counts them). Per-tag figures (`TagCost`) are each tag alone;
+    `Footprint.groups` lists tags that only pay off together (three slices of one fused
+    matmul).
+
+    The layer input is the argument matching the output's structure, shapes and dtypes
+    (`activation_argnums` overrides); every other argument is a parameter. `tags` restricts
+    the footprint to some of the tags (the others are then never saved).
+    """
+    acts = resolve_activation_argnums(fn, args, kwargs, activation_argnums)
+    graph = traced_graph(fn, args, kwargs, acts)
+    order: dict[str, list[Value]] = {}
+    for v in graph.values.values():
+        if v.role is not None:
+            order.setdefault(v.role, []).append(v)
+    if tags is not None:
+        missing = sorted(set(tags) - set(order))
         if missing:
             raise ValueError(f"tags {missing} are not emitted by the function; it emits "
-                             f"{[i.name for i in infos]}")
-        infos = [i for i in infos if i.name in set(only)]
-    base_bytes, _ = kept(frozenset())
-    base_flops = cost(frozenset())
-    # What full remat recomputes beyond no remat, untagged work (norms, softmax,
-    # activations) included: no save set avoids that part.
-    full_recompute = float(max(base_flops - linearized_cost(fn, args, kwargs).flops, 0))
-    forward = jaxpr_cost(_closed(fn, args, kwargs).jaxpr).flops
-    costs: dict[str, Any] = {}
-    for info in infos:
-        one = frozenset([info.name])
-        b, by_tag = kept(one)
-        flops = base_flops - cost(one)
-        extra = b - base_bytes
-        always = info.name in by_tag and extra <= 0
+                             f"{list(order)}")
+        order = {t: vs for t, vs in order.items() if t in set(tags)}
+    base_bytes, base_flops = graph.cost_of_roles(())
+    costs: dict[str, TagCost] = {}
+    for tag, vals in order.items():
+        nbytes, flops = graph.cost_of_roles((tag,))
+        extra, saved = nbytes - base_bytes, base_flops - flops
+        size = sum(v.bytes for v in vals)
+        kept = set(graph.evaluate_roles((tag,)).kept)
+        always = extra <= 0 and any(v.name in kept for v in vals)
         note = ""
         if always:
-            note = "an input of the function: kept whatever the policy says"
-        elif extra <= 0:
+            note = "a view of the layer input: kept whatever the policy says"
+        elif extra <= 0 and saved <= 0:
             note = "the backward never reads it: saving it keeps nothing"
-        costs[info.name] = TagCost(
-            bytes=info.bytes * info.count if always else max(extra, 0),
-            recompute_flops=float(max(flops, 0)), always_kept=always,
-            size_bytes=info.bytes * info.count, shape=info.shape, dtype=info.dtype, note=note)
-    return Footprint(costs, always_kept_bytes=base_bytes, full_recompute_flops=full_recompute,
-                     forward_flops=float(forward))
+        costs[tag] = TagCost(bytes=size if always else max(extra, 0),
+                             recompute_flops=float(max(saved, 0)), always_kept=always,
+                             size_bytes=size, shape=vals[0].shape, dtype=vals[0].dtype,
+                             note=note)
+    return Footprint(costs, always_kept_bytes=base_bytes, graph=graph,
+                     roles={t: t for t in costs}, forward_flops=float(graph.forward_flops()),
+                     no_remat_bytes=graph.no_remat_bytes())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,9 +48,13 @@ class AuditReport:
     recomputed_dots: int
     full_remat_dots: int
     recompute_flops: int
+    saved_param_bytes: int = 0  # parameters JAX keeps: model state, not activations
+    activation_argnums: tuple[int, ...] = ()
 
     @property
     def saved_bytes(self) -> int:
+        """Activation bytes kept for the backward (tags, layer input, other); parameters are
+        counted apart, in `saved_param_bytes`."""
         return self.saved_tag_bytes + self.saved_input_bytes + self.saved_other_bytes
 
     def to_dict(self) -> dict[str, Any]:
@@ -74,7 +78,9 @@ class AuditReport:
         lines.append(
             f"kept for the backward: {fmt_bytes(self.saved_bytes)} = tags "
             f"{fmt_bytes(self.saved_tag_bytes)} + inputs {fmt_bytes(self.saved_input_bytes)}"
-            f" + other {fmt_bytes(self.saved_other_bytes)}")
+            f" + other {fmt_bytes(self.saved_other_bytes)} (parameters "
+            f"{fmt_bytes(self.saved_param_bytes)} apart; layer input: argument "
+            f"{', '.join(map(str, self.activation_argnums))})")
         lines.append(
             f"dot_generals recomputed vs no remat: {self.recomputed_dots} "
             f"(full remat: {self.full_remat_dots}); recompute "
@@ -87,16 +93,29 @@ class AuditReport:
 
 
 def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[..., Any],
-          strict: bool = False, prevent_cse: bool = True, **kwargs: Any) -> AuditReport:
+          strict: bool = False, prevent_cse: bool = True,
+          activation_argnums: Sequence[int] | int | None = None, **kwargs: Any) -> AuditReport:
     """Trace ``fn(*args, **kwargs)`` under ``jax.checkpoint(fn, policy=policy)`` and report
     what each tag gets, which patterns are dead, and what JAX keeps and recomputes.
 
-    `fn` is one layer, or a stack of layers without its own ``jax.checkpoint``. With
-    ``strict=True`` a dead pattern raises `DeadPatternError`.
+    `fn` is one layer, or a stack of layers without its own ``jax.checkpoint``. The layer
+    input is the argument matching the output's structure, shapes and dtypes (as in
+    `traced_footprint`; `activation_argnums` overrides); the other arguments are parameters,
+    whose kept bytes are reported apart. When no single argument matches (`fn` is a loss,
+    not a layer), every argument counts as an input. With ``strict=True`` a dead pattern raises
+    `DeadPatternError`.
     """
     if not isinstance(policy, RegexPolicy):
         raise TypeError(f"audit needs a RegexPolicy, got {policy!r}; wrap names with "
                         "RegexPolicy([re.escape(name), ...])")
+    try:
+        acts = _trace.resolve_activation_argnums(fn, args, kwargs, activation_argnums)
+    except ValueError:
+        if activation_argnums is not None:
+            raise
+        # Not a layer (a loss, a function with several outputs): no argument is the layer
+        # input, so every argument JAX keeps is reported as an input, as JAX sees it.
+        acts = tuple(range(len(args)))
     infos = _trace.emitted_tags(fn, args, kwargs)
     names = [i.name for i in infos]
     patterns = [*policy.save, *policy.offload]
@@ -127,7 +146,11 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
     return AuditReport(
         policy=policy, tags=tuple(tags), dead_patterns=dead, overlaps=tuple(overlaps),
         saved_tag_bytes=sum(r.bytes for r in res if r.kind == "tag"),
-        saved_input_bytes=sum(r.bytes for r in res if r.kind == "argument"),
+        saved_input_bytes=sum(r.bytes for r in res if r.kind == "argument"
+                              and (r.argnum is None or r.argnum in acts)),
+        saved_param_bytes=sum(r.bytes for r in res if r.kind == "argument"
+                              and r.argnum is not None and r.argnum not in acts),
+        activation_argnums=acts,
         saved_other_bytes=sum(r.bytes for r in res if r.kind == "other"),
         other_residuals=tuple((r.name, r.bytes) for r in res if r.kind == "other"),
         recomputed_dots=cost.dot_generals - base.dot_generals,

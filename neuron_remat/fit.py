@@ -51,9 +51,8 @@ from jax.extend import core as jcore
 from . import _trace
 from ._format import fmt_bytes, grid
 from .device import DeviceSpec
-from .graph import LayerGraph, Op, Value
+from .graph import LayerGraph
 from .memory_model import reserve_bytes as _reserve_bytes
-from .models import dtype_bytes
 from .planner import Choice, CompiledFit, NoFitError, Plan, Probe, TagDecision
 from .policies import RegexPolicy
 
@@ -71,22 +70,6 @@ NO_REMAT = "no remat"
 
 def _aval_bytes(aval: Any) -> int:
     return int(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
-
-
-def _value(name: str, aval: Any, role: str | None = None) -> Value:
-    dtype = str(np.dtype(aval.dtype))
-    try:
-        dtype_bytes(dtype)
-        return Value(name, tuple(int(d) for d in aval.shape), dtype, role)
-    except ValueError:  # int32, uint8, ...: the graph type only needs the byte count
-        return Value(name, (_aval_bytes(aval),), "int8", role)
-
-
-def _eqn_flops(eqn: Any) -> int:
-    flops = _trace.eqn_flops(eqn)
-    for sub, mult in _trace._sub_jaxprs(eqn):
-        flops += mult * _trace.jaxpr_cost(sub).flops
-    return flops
 
 
 def _depends(jaxpr: Any, seeds: set[Any]) -> tuple[set[Any], list[bool]]:
@@ -135,53 +118,23 @@ class LayerBackward:
         """Bytes of the values this layer's backward reads that a save set recomputes:
         what its working set holds beyond the kept residuals."""
         ev = self.graph.evaluate_roles(saved)
-        kept = set(ev.kept)
-        return sum(self.graph.values[v].bytes for v in self.needed if v not in kept)
+        skip = set(ev.kept) | set(self.graph.inputs) | set(self.graph.params)
+        return sum(self.graph.values[v].bytes for v in self.needed if v not in skip)
 
 
 def _layer_backward(body: Any, count: int) -> LayerBackward:
+    """The graph of one transposed remat body (`_trace.jaxpr_graph`): the cotangents are
+    unknown; of the residuals, those shaped like a cotangent are the layer's activations
+    (the carry), the others its parameters."""
     n_ct = _cotangent_count(body)
-    residuals, cts = body.invars[:len(body.invars) - n_ct], body.invars[len(body.invars) - n_ct:]
-    tainted, marks = _depends(body, set(cts))
-    names: dict[Any, str] = {}
-
-    def name(v: Any) -> str:
-        if v not in names:
-            names[v] = f"v{len(names)}"
-        return names[v]
-
-    values: dict[str, Value] = {}
-    for v in residuals:
-        values[name(v)] = _value(name(v), v.aval)
-    ops: list[Op] = []
-    needed: dict[str, None] = {}
-    tags: dict[str, None] = {}
-    for i, (eqn, unknown) in enumerate(zip(body.eqns, marks)):
-        reads = [v for v in eqn.invars if isinstance(v, jcore.Var) and v not in tainted]
-        if unknown:
-            needed.update((name(v), None) for v in reads)
-            continue
-        role = eqn.params["name"] if eqn.primitive is name_p else None
-        if role is not None:
-            tags[role] = None
-        outs = list(eqn.outvars)
-        for v in outs:
-            values[name(v)] = _value(name(v), v.aval, role)
-        inputs = tuple(name(v) for v in reads)
-        flops = _eqn_flops(eqn)
-        if len(outs) == 1:
-            ops.append(Op(f"e{i}", inputs, name(outs[0]), flops))
-        else:  # one op per output; the first carries the FLOPs
-            for j, v in enumerate(outs):
-                ops.append(Op(f"e{i}.{j}", inputs, name(v), flops if j == 0 else 0))
-    for v in body.outvars:
-        if isinstance(v, jcore.Var) and v not in tainted and v in names:
-            needed[name(v)] = None
-    values["backward"] = Value("backward", (0,), "int8")
-    ops.append(Op("backward", (), "backward", 0, needs=tuple(needed)))
-    graph = LayerGraph(values=values, ops=tuple(ops),
-                       inputs=tuple(name(v) for v in residuals))
-    return LayerBackward(graph, count, tuple(tags), tuple(needed))
+    n_res = len(body.invars) - n_ct
+    ct_avals = {(tuple(v.aval.shape), str(v.aval.dtype)) for v in body.invars[n_res:]}
+    activation = [(tuple(v.aval.shape), str(v.aval.dtype)) in ct_avals
+                  for v in body.invars[:n_res]] + [False] * n_ct
+    graph = _trace.jaxpr_graph(body, unknown=[False] * n_res + [True] * n_ct,
+                               activation=activation)
+    tags = tuple(dict.fromkeys(v.role for v in graph.values.values() if v.role is not None))
+    return LayerBackward(graph, count, tags, graph.needed())
 
 
 def _remat_bodies(jaxpr: Any, mult: int = 1) -> Iterable[tuple[Any, int]]:

@@ -14,12 +14,13 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from .models import dtype_bytes
 
-__all__ = ["Evaluation", "Footprint", "LayerGraph", "Op", "TagCost", "Value"]
+__all__ = ["Closures", "Evaluation", "Footprint", "LayerGraph", "Op", "Segment", "TagCost",
+           "TagGroup", "Value", "find_groups"]
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,12 @@ class Value:
     dot: bool = False  # produced by a dot_general (what dots_saveable keeps)
     batch_dot: bool = False  # ... with batch dimensions (dots_with_no_batch_dims skips it)
     extra_bytes: int = 0  # stored with it under the same tag (flash attention's lse)
+    itemsize: int = 0  # bytes per element when `dtype` is not a float type `models` knows
 
     @property
     def bytes(self) -> int:
-        return math.prod(self.shape) * dtype_bytes(self.dtype) + self.extra_bytes
+        size = self.itemsize or dtype_bytes(self.dtype)
+        return math.prod(self.shape) * size + self.extra_bytes
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,11 @@ class Op:
     flops: int
     needs: tuple[str, ...] = ()
     internal: tuple[tuple[str, int], ...] = ()  # (what, bytes) kept without remat
+    more_outputs: tuple[str, ...] = ()  # further results of a multi-output op
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return (self.output, *self.more_outputs)
 
 
 @dataclass(frozen=True)
@@ -68,28 +76,48 @@ class Evaluation:
 
 @dataclass(frozen=True)
 class LayerGraph:
-    """The analytic dataflow graph of one layer on one core (see the module docstring)."""
+    """The dataflow graph of one layer on one core (see the module docstring).
+
+    `inputs` are kept whenever the backward reads them and count their bytes (the layer
+    input, the scan carry); `params` are kept too but count nothing (parameters and
+    constants: model state, not activations). `reads` are values the backward reads beyond
+    the ops' `needs` (a traced graph lists everything its backward reads here).
+    """
 
     values: Mapping[str, Value]
     ops: tuple[Op, ...]
     inputs: tuple[str, ...] = ("x",)
+    params: tuple[str, ...] = ()
+    reads: tuple[str, ...] = ()
 
     @functools.cached_property
     def _producers(self) -> dict[str, Op]:
-        return {op.output: op for op in self.ops}
+        return {out: op for op in self.ops for out in op.outputs}
 
     @functools.cached_property
     def _by_name(self) -> dict[str, Op]:
         return {op.name: op for op in self.ops}
 
+    @functools.cached_property
+    def _held(self) -> frozenset[str]:
+        return frozenset(self.inputs) | frozenset(self.params)
+
+    def needed(self) -> tuple[str, ...]:
+        """Every value the backward reads, in first-read order."""
+        out = dict.fromkeys(v for op in self.ops for v in op.needs)
+        out.update(dict.fromkeys(self.reads))
+        return tuple(out)
+
     def evaluate(self, saved: Callable[[Value], bool]) -> Evaluation:
-        """Kept bytes and recompute FLOPs when `saved(value)` says which values are saveable."""
+        """Kept bytes and recompute FLOPs when `saved(value)` says which values are saveable.
+
+        The plain traversal; `cost_of_roles` answers the same for tag sets, faster."""
         producers = self._producers
+        held = self._held
         kept: dict[str, None] = {}
         recomputed: dict[str, None] = {}
         stack = [op.name for op in self.ops if op.internal]
-        for op in self.ops:
-            stack.extend(f"value:{v}" for v in op.needs)
+        stack.extend(f"value:{v}" for v in self.needed())
         seen: set[str] = set()
         while stack:
             item = stack.pop()
@@ -99,7 +127,7 @@ class LayerGraph:
             if item.startswith("value:"):
                 name = item[6:]
                 value = self.values[name]
-                if name in self.inputs or saved(value):
+                if name in held or saved(value):
                     kept[name] = None
                 else:
                     stack.append(producers[name].name)
@@ -107,15 +135,29 @@ class LayerGraph:
             recomputed[item] = None
             op = self._by_name[item]
             stack.extend(f"value:{v}" for v in op.inputs)
-        kept_bytes = sum(self.values[v].bytes for v in kept)
+        params = set(self.params)
+        kept_bytes = sum(self.values[v].bytes for v in kept if v not in params)
         flops = sum(o.flops for o in self.ops if o.name in recomputed)
         order = [o.name for o in self.ops]
-        return Evaluation(kept_bytes, flops, tuple(v for v in self.values if v in kept),
+        return Evaluation(kept_bytes, flops,
+                          tuple(v for v in self.values if v in kept and v not in params),
                           tuple(n for n in order if n in recomputed))
 
     def evaluate_roles(self, roles: Iterable[str]) -> Evaluation:
         chosen = frozenset(roles)
         return self.evaluate(lambda v: v.role is not None and v.role in chosen)
+
+    # -- fast exact evaluation of tag sets ---------------------------------------------
+
+    @functools.cached_property
+    def closures(self) -> Closures:
+        """The recompute closures behind `cost_of_roles` (computed once per graph)."""
+        return Closures.of(self)
+
+    def cost_of_roles(self, roles: Iterable[str]) -> tuple[int, int]:
+        """(kept bytes, recompute FLOPs) when the values of `roles` are saved: exactly what
+        ``evaluate_roles(roles)`` gives, by a few bitmask unions instead of a traversal."""
+        return self.closures.cost(self.closures.mask(roles))
 
     def forward_flops(self) -> int:
         return sum(op.flops for op in self.ops)
@@ -123,12 +165,137 @@ class LayerGraph:
     def no_remat_bytes(self) -> int:
         """Bytes one layer keeps with no ``jax.checkpoint``: every value and internal
         intermediate its backward reads (the reference implementation's, under JAX 0.10)."""
-        needed = {v for op in self.ops for v in op.needs}
-        return (sum(self.values[v].bytes for v in needed)
+        params = set(self.params)
+        return (sum(self.values[v].bytes for v in self.needed() if v not in params)
                 + sum(b for op in self.ops for _, b in op.internal))
 
     def role_values(self) -> dict[str, Value]:
         return {v.role: v for v in self.values.values() if v.role is not None}
+
+
+def _bits(mask: int) -> Iterator[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+@dataclass(frozen=True)
+class Segment:
+    """What not saving one tagged value costs by itself: the ops recomputed to rebuild it,
+    back to the held inputs and the other tagged values on its frontier."""
+
+    ops: frozenset[str]
+    held: frozenset[str]  # inputs and params it reads
+    frontier: int  # bitmask over `Closures.tagged`
+
+
+@dataclass(frozen=True, eq=False)
+class Closures:
+    """A graph cut at its tagged values: segment 0 is what the backward recomputes whatever
+    is saved (its untagged reads, back to tagged values and inputs), segment i + 1 what
+    tagged value i costs when it is not saved. Any tag set's cost is then a fixed point over
+    at most one step per tagged value, with FLOPs and input bytes summed over 'atoms' (ops
+    and inputs grouped by the segments that contain them)."""
+
+    tagged: tuple[str, ...]  # tagged values, not inputs or params
+    role_masks: Mapping[str, int]  # role -> its tagged values
+    segments: tuple[Segment, ...]
+    tag_bytes: tuple[int, ...]
+    op_atoms: tuple[tuple[int, int], ...]  # (segment mask, FLOPs)
+    held_atoms: tuple[tuple[int, int], ...]  # (segment mask, bytes)
+    memo: dict[int, tuple[int, int, int]]  # saved mask -> (bytes, flops, segment mask)
+
+    @classmethod
+    def of(cls, graph: LayerGraph) -> Closures:
+        held = graph._held
+        tagged = tuple(n for n, v in graph.values.items() if v.role is not None and n not in held)
+        index = {n: i for i, n in enumerate(tagged)}
+        producers = graph._producers
+
+        def walk(ops: set[str], values: Iterable[str]) -> Segment:
+            ins: set[str] = set()
+            frontier = 0
+            stack = list(values)
+            seen: set[str] = set()
+            while stack:
+                v = stack.pop()
+                if v in seen:
+                    continue
+                seen.add(v)
+                if v in held:
+                    ins.add(v)
+                elif v in index:
+                    frontier |= 1 << index[v]
+                else:
+                    op = producers[v]
+                    if op.name not in ops:
+                        ops.add(op.name)
+                        stack.extend(op.inputs)
+            return Segment(frozenset(ops), frozenset(ins), frontier)
+
+        base_ops = {op.name for op in graph.ops if op.internal}
+        seeds = [v for name in base_ops for v in graph._by_name[name].inputs]
+        segments = [walk(base_ops, [*graph.needed(), *seeds])]
+        for name in tagged:
+            op = producers[name]
+            segments.append(walk({op.name}, op.inputs))
+        op_sig: dict[str, int] = {}
+        held_sig: dict[str, int] = {}
+        for i, seg in enumerate(segments):
+            for o in seg.ops:
+                op_sig[o] = op_sig.get(o, 0) | 1 << i
+            for v in seg.held:
+                held_sig[v] = held_sig.get(v, 0) | 1 << i
+        op_atoms: dict[int, int] = {}
+        for op in graph.ops:
+            if op.name in op_sig:
+                op_atoms[op_sig[op.name]] = op_atoms.get(op_sig[op.name], 0) + op.flops
+        params = set(graph.params)
+        held_atoms: dict[int, int] = {}
+        for v, sig in held_sig.items():
+            if v not in params:
+                held_atoms[sig] = held_atoms.get(sig, 0) + graph.values[v].bytes
+        role_masks: dict[str, int] = {}
+        for n, i in index.items():
+            role = graph.values[n].role
+            assert role is not None
+            role_masks[role] = role_masks.get(role, 0) | 1 << i
+        return cls(tagged, role_masks, tuple(segments),
+                   tuple(graph.values[n].bytes for n in tagged),
+                   tuple(op_atoms.items()), tuple(held_atoms.items()), {})
+
+    def mask(self, roles: Iterable[str]) -> int:
+        out = 0
+        for r in roles:
+            out |= self.role_masks.get(r, 0)
+        return out
+
+    def run(self, saved: int) -> tuple[int, int, int]:
+        """(kept bytes, recompute FLOPs, mask of the segments recomputed) for `saved`."""
+        hit = self.memo.get(saved)
+        if hit is not None:
+            return hit
+        segs, done, kept = 1, 0, 0
+        todo = self.segments[0].frontier
+        while todo:
+            done |= todo
+            kept |= todo & saved
+            nxt = 0
+            for i in _bits(todo & ~saved):
+                segs |= 2 << i
+                nxt |= self.segments[i + 1].frontier
+            todo = nxt & ~done
+        nbytes = sum(self.tag_bytes[i] for i in _bits(kept))
+        nbytes += sum(b for sig, b in self.held_atoms if sig & segs)
+        flops = sum(f for sig, f in self.op_atoms if sig & segs)
+        out = (nbytes, flops, segs)
+        self.memo[saved] = out
+        return out
+
+    def cost(self, saved: int) -> tuple[int, int]:
+        nbytes, flops, _ = self.run(saved)
+        return nbytes, flops
 
 
 @dataclass(frozen=True)
@@ -159,20 +326,100 @@ class TagCost:
         return self.recompute_flops / self.bytes if self.bytes else 0.0
 
 
+@dataclass(frozen=True)
+class TagGroup:
+    """Tags that pay off only together: saving all of them avoids more recompute than the
+    sum of saving each alone, because their recomputations share work (three slices of one
+    fused q/k/v matmul). Figures are per layer per core, against saving none of them.
+
+    Attributes:
+        tags: the tags, in footprint order.
+        bytes: bytes kept when all are saved.
+        recompute_flops: recompute avoided when all are saved.
+        alone_flops: the sum of what each avoids alone.
+        shared: what their recomputations share, in words.
+        shared_flops: FLOPs of that shared work.
+    """
+
+    tags: tuple[str, ...]
+    bytes: int
+    recompute_flops: float
+    alone_flops: float
+    shared: str
+    shared_flops: float
+
+    @property
+    def flops_per_byte(self) -> float:
+        return self.recompute_flops / self.bytes if self.bytes else 0.0
+
+    @property
+    def label(self) -> str:
+        """``"q_proj+k_proj+v_proj: one fused matmul"`` (class prefixes dropped when the
+        short names stay distinct)."""
+        short = [t.rsplit(".", 1)[-1] for t in self.tags]
+        names = short if len(set(short)) == len(short) else list(self.tags)
+        return "+".join(names) + f": {self.shared}"
+
+
+def find_groups(graph: LayerGraph, roles: Mapping[str, str]) -> tuple[TagGroup, ...]:
+    """The groups of tags (`roles`: tag -> role in `graph`) that only pay off together.
+
+    Candidates are the sets of tags whose recompute segments (`Closures`) share work that
+    the backward does not recompute anyway; a candidate is a group when saving all of it
+    avoids strictly more FLOPs than the sum of saving each alone (exact joint evaluation)."""
+    cl = graph.closures
+    by_role = {r: t for t, r in roles.items()}
+    flops = {op.name: op.flops for op in graph.ops}
+    base = cl.segments[0].ops
+    owners: dict[str, set[str]] = {}
+    for role, mask in cl.role_masks.items():
+        for i in _bits(mask):
+            for o in cl.segments[i + 1].ops:
+                if o not in base and flops[o] > 0:
+                    owners.setdefault(o, set()).add(role)
+    shared: dict[frozenset[str], list[str]] = {}
+    for o, rs in owners.items():
+        if len(rs) > 1:
+            shared.setdefault(frozenset(rs), []).append(o)
+    order = list(roles)
+    base_bytes, base_flops = graph.cost_of_roles(())
+    out = []
+    for rs, ops in shared.items():
+        if not rs <= set(by_role):
+            continue
+        tags = tuple(t for t in order if roles[t] in rs)
+        nbytes, left = graph.cost_of_roles(rs)
+        joint = base_flops - left
+        alone = sum(base_flops - graph.cost_of_roles((roles[t],))[1] for t in tags)
+        if joint <= alone:
+            continue
+        dots = [o for o in ops if graph.values[graph._by_name[o].output].dot]
+        what = ("one fused matmul" if len(dots) == 1 else f"{len(dots)} shared matmuls"
+                if dots else f"shared work ({len(ops)} ops)")
+        out.append(TagGroup(tags, nbytes - base_bytes, float(joint), float(alone), what,
+                            float(sum(flops[o] for o in ops))))
+    out.sort(key=lambda g: (-g.recompute_flops, g.tags))
+    return tuple(out)
+
+
 class Footprint(dict):  # dict[str, TagCost]
     """Per-tag costs of one layer (a ``dict`` of tag -> `TagCost`) plus what the layer
     keeps whatever the policy says.
 
-    Built by `layer_footprint` (analytic: exact joint evaluation through the layer graph)
-    or `traced_footprint` (measured: costs add up per tag).
+    Built by `layer_footprint` (the analytic graph) or `traced_footprint` (the graph of the
+    traced program): both carry their `LayerGraph`, so `evaluate` is exact jointly for any
+    tag set. A footprint without a graph (a plain mapping of measured costs) adds per-tag
+    costs up.
     """
 
     def __init__(self, tags: Mapping[str, TagCost], *, always_kept_bytes: int,
                  patterns: Mapping[str, str] | None = None,
                  graph: LayerGraph | None = None, roles: Mapping[str, str] | None = None,
                  forward_flops: float = 0.0, no_remat_bytes: int = 0,
-                 full_recompute_flops: float | None = None) -> None:
+                 full_recompute_flops: float | None = None,
+                 groups: Iterable[TagGroup] | None = None) -> None:
         super().__init__(tags)
+        self._groups = None if groups is None else tuple(groups)
         # Additive footprints: what saving nothing recomputes. None: the sum of the tags'
         # savings (as if every recomputed FLOP belonged to some tag).
         self.full_recompute_flops = full_recompute_flops
@@ -190,8 +437,8 @@ class Footprint(dict):  # dict[str, TagCost]
         if unknown:
             raise ValueError(f"tags {sorted(unknown)} are not in this footprint ({sorted(self)})")
         if self.graph is not None:
-            ev = self.graph.evaluate_roles(self.roles[t] for t in chosen)
-            return ev.kept_bytes, float(ev.recompute_flops)
+            kept_bytes, flops = self.graph.cost_of_roles(self.roles[t] for t in chosen)
+            return kept_bytes, float(flops)
         full = self.full_recompute_flops
         if full is None:
             full = sum(c.recompute_flops for c in self.values() if not c.always_kept)
@@ -199,6 +446,14 @@ class Footprint(dict):  # dict[str, TagCost]
             self[t].bytes for t in chosen if not self[t].always_kept)
         return kept, full - sum(self[t].recompute_flops for t in chosen
                                 if not self[t].always_kept)
+
+    @property
+    def groups(self) -> tuple[TagGroup, ...]:
+        """Tags that only pay off together (`find_groups`; none for additive footprints)."""
+        if self._groups is None:
+            self._groups = () if self.graph is None else find_groups(
+                self.graph, {t: self.roles[t] for t in self if t in self.roles})
+        return self._groups
 
     def __repr__(self) -> str:
         return f"Footprint({dict(self)!r}, always_kept_bytes={self.always_kept_bytes})"

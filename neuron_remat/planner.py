@@ -18,7 +18,8 @@ from ._format import fmt_bytes, grid
 from .device import DeviceSpec
 from .policies import RegexPolicy
 
-__all__ = ["Choice", "CompiledFit", "NoFitError", "Plan", "Probe", "TagDecision", "plan"]
+__all__ = ["Choice", "CompiledFit", "GroupDecision", "NoFitError", "Plan", "Probe",
+           "TagDecision", "plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,24 @@ class TagDecision:
 
 
 @dataclass(frozen=True)
+class GroupDecision:
+    """Tags that only pay off together (a `TagGroup` of the footprint) and whether the plan
+    saves all of them."""
+
+    tags: tuple[str, ...]
+    label: str
+    bytes: int
+    recompute_flops: float
+    alone_flops: float
+    shared: str
+    saved: bool
+
+    @property
+    def flops_per_byte(self) -> float:
+        return self.recompute_flops / self.bytes if self.bytes else 0.0
+
+
+@dataclass(frozen=True)
 class Choice:
     """One save set with its cost per layer per core."""
 
@@ -133,6 +152,7 @@ class Plan:
     parallelism: models.Parallelism | None = None
     no_remat_bytes_per_layer: int = 0
     notes: tuple[str, ...] = ()
+    groups: tuple[GroupDecision, ...] = ()
     compiled: CompiledFit | None = None  # set by `fit`: the compiled step's figures
 
     @property
@@ -181,6 +201,8 @@ class Plan:
             "headroom_bytes": self.headroom_bytes,
             "no_remat_bytes_per_layer": self.no_remat_bytes_per_layer,
             "decisions": [dataclasses.asdict(d) for d in self.decisions],
+            "groups": [{**dataclasses.asdict(g), "flops_per_byte": g.flops_per_byte}
+                       for g in self.groups],
             "runner_ups": [dataclasses.asdict(c) for c in self.runner_ups],
             "notes": list(self.notes),
         }
@@ -210,6 +232,11 @@ class Plan:
             rows.append((d.tag, fmt_bytes(d.bytes), f"{d.recompute_flops / 1e9:.4g} GFLOP",
                          f"{d.flops_per_byte:.4g}", "yes" if d.saved else "no", d.reason))
         lines = grid(rows)
+        for g in self.groups:
+            lines.append(
+                f"together: {g.label}: keeps {fmt_bytes(g.bytes)}, saves "
+                f"{g.recompute_flops / 1e9:.4g} GFLOP ({g.flops_per_byte:.4g} FLOP/B; alone "
+                f"{g.alone_flops / 1e9:.4g} GFLOP): " + ("saved" if g.saved else "not saved"))
         lines.append("")
         if self.budget is not None:
             b = self.budget
@@ -357,11 +384,18 @@ def plan(
     pool = _candidates(fp, candidates)
     decisions: dict[str, str] = {}
     usable = []
+    # Groups of tags that only pay off together are judged jointly: a member that saves
+    # nothing alone is usable when its whole group is a candidate and pays.
+    groups = [g for g in getattr(fp, "groups", ()) if set(g.tags) <= set(pool)]
+    paying = [g for g in groups if g.recompute_flops > 0 and (
+        not g.bytes or g.recompute_flops / g.bytes >= min_flops_per_byte)]
     for t in pool:
         cost = fp[t]
         if t in always:
             continue
-        if cost.recompute_flops <= 0:
+        if any(t in g.tags for g in paying):
+            usable.append(t)
+        elif cost.recompute_flops <= 0:
             decisions[t] = "saving it saves no recompute" + (
                 ": the backward never reads it" if cost.bytes == 0 else "")
         elif cost.bytes and cost.recompute_flops / cost.bytes < min_flops_per_byte:
@@ -378,15 +412,25 @@ def plan(
         full_kept, _ = fp.evaluate(())
         raise NoFitError(_no_fit_message(full_kept, per_layer, bud, config, shape, par))
     best = choices[0]
+    saved_groups = [g for g in paying if set(g.tags) <= set(best.tags)]
     for t in usable:
         cost = fp[t]
-        if t in best.tags:
+        mine = next((g for g in saved_groups if t in g.tags), None)
+        if t in best.tags and mine is not None:
+            others = ", ".join(o for o in mine.tags if o != t)
+            decisions[t] = (f"saved with {others} ({mine.shared}): "
+                            f"{mine.flops_per_byte:.3g} FLOP/B together")
+        elif t in best.tags:
             decisions[t] = (f"saved: {cost.recompute_flops / cost.bytes:.3g} FLOP/B"
                             if cost.bytes else "saved: free to keep")
         else:
-            alone, _ = fp.evaluate(best.tags + (t,))
+            group = next((g for g in paying if t in g.tags), None)
+            adding = best.tags + ((t,) if group is None else tuple(
+                o for o in group.tags if o not in best.tags))
+            alone, _ = fp.evaluate(adding)
+            what = "adding it" if group is None else f"adding {group.label}"
             decisions[t] = ("does not fit: " if alone > per_layer else "") + (
-                f"adding it keeps {fmt_bytes(alone)} > {fmt_bytes(per_layer)} budget"
+                f"{what} keeps {fmt_bytes(alone)} > {fmt_bytes(per_layer)} budget"
                 if alone > per_layer else "a better set fits without it")
     for t in always:
         decisions[t] = "always kept: the layer input (scan carry)"
@@ -405,7 +449,9 @@ def plan(
         runner_ups=tuple(choices[1:]), layers_per_core=layers, inflight=inflight,
         device=device, budget=bud, forward_flops_per_layer=fp.forward_flops,
         config=config, parallelism=par, no_remat_bytes_per_layer=fp.no_remat_bytes,
-        notes=tuple(notes))
+        notes=tuple(notes),
+        groups=tuple(GroupDecision(g.tags, g.label, g.bytes, g.recompute_flops, g.alone_flops,
+                                   g.shared, set(g.tags) <= set(best.tags)) for g in groups))
 
 
 def _as_footprint(mapping: Mapping[str, Any]) -> mm.Footprint:

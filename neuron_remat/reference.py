@@ -4,6 +4,20 @@ This is the layer the analytic model in `memory_model` describes: tests, benchma
 examples use it to hold the model to what JAX and XLA actually keep and compute. It is
 written the way such layers usually are (pre-norm, float32 norm and softmax statistics,
 grouped KV heads, gated SiLU or plain GeLU feed-forward), not to flatter the model.
+
+Variants, chosen by the parameters `init_layer` makes:
+
+* separate q/k/v projections (three matmuls, as axlearn's ``GroupedQKVLinear``, which
+  axlearn's TRN2 mesh rules swap in);
+* ``fused_qkv=True``: one matmul with a ``(hidden, heads + 2 kv_heads, head_dim)`` weight
+  whose output is split into q, k and v, each then tagged (axlearn's
+  ``FusedGroupedQKVLinear``, the base Fuji layers' default): the three tags share one
+  matmul, so saving one of them alone avoids no recompute;
+* MaxText naming (``decoder_layer_input``, ``query_proj``, ...) with
+  ``TransformerConfig(tags=MAXTEXT_TAGS)``.
+
+`layer` takes the activation first; `layer_params_first` is the same layer called
+``f(params, x)``, as most JAX code writes it.
 """
 
 from __future__ import annotations
@@ -17,7 +31,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from .models import TransformerConfig
 
-__all__ = ["init_layer", "init_stack", "layer", "stack", "tag_names"]
+__all__ = ["init_layer", "init_stack", "layer", "layer_params_first", "stack", "tag_names"]
 
 Params = dict[str, jax.Array]
 
@@ -38,7 +52,10 @@ def tag_names(config: TransformerConfig) -> dict[str, str]:
     return out
 
 
-def init_layer(key: jax.Array, config: TransformerConfig, dtype: Any = jnp.float32) -> Params:
+def init_layer(key: jax.Array, config: TransformerConfig, dtype: Any = jnp.float32, *,
+               fused_qkv: bool = False) -> Params:
+    """Parameters of one layer; ``fused_qkv=True`` gives one ``wqkv`` weight instead of
+    ``wq``, ``wk`` and ``wv`` (the layer then computes q, k and v with one matmul)."""
     assert config.kv_heads is not None and config.head_dim is not None
     h, a, kv, d, f = config.hidden, config.heads, config.kv_heads, config.head_dim, config.ffn
     ks = jax.random.split(key, 7)
@@ -52,6 +69,8 @@ def init_layer(key: jax.Array, config: TransformerConfig, dtype: Any = jnp.float
          "w1_0": w(ks[4], (h, f), h), "w2": w(ks[6], (f, h), f)}
     if config.gated_ffn:
         p["w1_1"] = w(ks[5], (h, f), h)
+    if fused_qkv:
+        p["wqkv"] = jnp.concatenate([p.pop("wq"), p.pop("wk"), p.pop("wv")], axis=1)
     if config.norm == "layer":
         p["norm1_bias"] = jnp.zeros((h,), dtype)
         p["norm2_bias"] = jnp.zeros((h,), dtype)
@@ -59,10 +78,10 @@ def init_layer(key: jax.Array, config: TransformerConfig, dtype: Any = jnp.float
 
 
 def init_stack(key: jax.Array, config: TransformerConfig, layers: int | None = None,
-               dtype: Any = jnp.float32) -> Params:
+               dtype: Any = jnp.float32, *, fused_qkv: bool = False) -> Params:
     """Parameters of `layers` layers stacked on a leading axis (for `lax.scan`)."""
     keys = jax.random.split(key, layers or config.layers)
-    return jax.vmap(lambda k: init_layer(k, config, dtype))(keys)
+    return jax.vmap(lambda k: init_layer(k, config, dtype, fused_qkv=fused_qkv))(keys)
 
 
 def _norm(x: jax.Array, scale: jax.Array, bias: jax.Array | None, kind: str) -> jax.Array:
@@ -92,9 +111,14 @@ def layer(x: jax.Array, p: Params, config: TransformerConfig) -> jax.Array:
     group = config.heads // kv
     x = tag(x, "input")
     n1 = _norm(x, p["norm1"], p.get("norm1_bias"), config.norm)
-    q = tag(jnp.einsum("bsh,hnd->bsnd", n1, p["wq"]), "q_proj")
-    k = tag(jnp.einsum("bsh,hnd->bsnd", n1, p["wk"]), "k_proj")
-    v = tag(jnp.einsum("bsh,hnd->bsnd", n1, p["wv"]), "v_proj")
+    if "wqkv" in p:  # one matmul, three tagged slices
+        qkv = jnp.einsum("bsh,hnd->bsnd", n1, p["wqkv"])
+        q, k, v = jnp.split(qkv, [config.heads, config.heads + kv], axis=2)
+        q, k, v = tag(q, "q_proj"), tag(k, "k_proj"), tag(v, "v_proj")
+    else:
+        q = tag(jnp.einsum("bsh,hnd->bsnd", n1, p["wq"]), "q_proj")
+        k = tag(jnp.einsum("bsh,hnd->bsnd", n1, p["wk"]), "k_proj")
+        v = tag(jnp.einsum("bsh,hnd->bsnd", n1, p["wv"]), "v_proj")
     qg = q.reshape(b, s, kv, group, d)
     scores = jnp.einsum("bskgd,btkd->bkgst", qg, k) * (d**-0.5)
     if config.causal:
@@ -113,6 +137,11 @@ def layer(x: jax.Array, p: Params, config: TransformerConfig) -> jax.Array:
         g = act(a)
     y = tag(g @ p["w2"], "linear2")
     return x1 + y
+
+
+def layer_params_first(p: Params, x: jax.Array, config: TransformerConfig) -> jax.Array:
+    """`layer` called ``f(params, x)``."""
+    return layer(x, p, config)
 
 
 def stack(x: jax.Array, params: Params, config: TransformerConfig, *,

@@ -293,8 +293,9 @@ def test_audit_residual_split_and_rendering(layer_args):
     tags = b * s * (4 * 8 + 2 * 2 * 8 + 2 * 64) * 4  # q, k, v, linear1_0, linear1_1
     assert report.saved_tag_bytes == tags
     weights = sum(v.size * 4 for v in jax.tree.leaves(params))
-    assert report.saved_input_bytes == x.size * 4 + weights  # x and every weight
-    assert report.saved_bytes == tags + x.size * 4 + weights + report.saved_other_bytes
+    assert report.activation_argnums == (0,)  # x matches the output; params are state
+    assert report.saved_input_bytes == x.size * 4 and report.saved_param_bytes == weights
+    assert report.saved_bytes == tags + x.size * 4 + report.saved_other_bytes
     assert report.recomputed_dots == 3 and report.recompute_flops > 0
     data = json.loads(report.to_json())
     assert data["dead_patterns"] == [] and data["policy"]["save"] == list(
