@@ -30,7 +30,8 @@ if __package__ in (None, "") and str(Path(__file__).resolve().parents[1]) not in
 import neuron_remat as nr  # noqa: E402
 from neuron_remat import reference  # noqa: E402
 
-__all__ = ["CONFIG", "SMALL", "abstract_args", "factory", "main", "make_step_factory"]
+__all__ = ["CONFIG", "SMALL", "abstract_args", "factory", "main", "make_step_factory",
+           "small_factory"]
 
 CONFIG = nr.TransformerConfig(hidden=128, heads=4, kv_heads=2, ffn=384, layers=4, vocab=512,
                               name="fit-demo")
@@ -98,6 +99,11 @@ def make_step_factory(config: nr.TransformerConfig = CONFIG) -> Callable[[Any], 
 def factory() -> tuple[Callable[[Any], Any], tuple[Any, ...]]:
     """For ``neuron-remat fit examples.fit_demo:factory``: (make_step, args)."""
     return make_step_factory(CONFIG), abstract_args(CONFIG)
+
+
+def small_factory() -> tuple[Callable[[Any], Any], tuple[Any, ...]]:
+    """The tests' variant (`SMALL`): ``neuron-remat fit examples.fit_demo:small_factory``."""
+    return make_step_factory(SMALL), abstract_args(SMALL)
 
 
 def main(argv: Sequence[str] | None = None) -> nr.Plan:

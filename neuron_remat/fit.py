@@ -85,20 +85,31 @@ def _depends(jaxpr: Any, seeds: set[Any]) -> tuple[set[Any], list[bool]]:
 
 
 def _cotangent_count(body: Any) -> int:
-    """How many trailing inputs of a transposed remat body are output cotangents: the
-    smallest trailing set that every nonzero output depends on and that no tag
-    (``checkpoint_name``) depends on. JAX's remat transpose binds the residuals first,
-    then the nonzero output cotangents."""
+    """How many trailing inputs of a transposed remat body are output cotangents.
+
+    JAX's remat transpose binds the residuals (the layer's non-linear primal inputs, and
+    saved values) first, then the nonzero output cotangents. The cotangents are the
+    largest trailing run of inputs that no tag (``checkpoint_name``) depends on, and every
+    gradient the body returns depends on them. (The smallest run that every gradient
+    depends on is not enough: with a carry and a per-layer output, the output's cotangent
+    alone reaches every gradient.) A trailing parameter that feeds no tag would be taken
+    for a cotangent too; it only moves work the backward does anyway between the two
+    sides, and keeps nothing."""
     n = len(body.invars)
     outs = [v for v in body.outvars if isinstance(v, jcore.Var)]
+    found = 0
     for k in range(1, n):
-        tainted, marks = _depends(body, set(body.invars[n - k:]))
+        _, marks = _depends(body, set(body.invars[n - k:]))
         if any(m and e.primitive is name_p for m, e in zip(marks, body.eqns)):
             break
+        found = k
+    if found:
+        tainted, _ = _depends(body, set(body.invars[n - found:]))
         if all(v in tainted for v in outs):
-            return k
+            return found
     raise ValueError("cannot tell the output cotangents from the residuals in a layer's "
-                     "backward (no trailing inputs that every gradient depends on)")
+                     "backward: no trailing inputs that the gradients depend on and no tag "
+                     "does")
 
 
 @dataclass(frozen=True)
@@ -190,6 +201,10 @@ def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
     tags: dict[str, None] = {}
     for layer in layers:
         tags.update((t, None) for t in layer.tags)
+    # Tags no backward reads are DCE'd from the remat bodies; list them too (saving one
+    # keeps nothing and saves nothing, and the plan says so).
+    tags.update((e.params["name"], None) for e, _ in _trace._walk(closed.jaxpr)
+                if _trace.is_name_primitive(e.primitive))
     no_remat = jax.make_jaxpr(_jitted(make_step(
         jax.checkpoint_policies.everything_saveable)))(*args)
     return StepGraph(tuple(layers), tuple(tags), _trace.jaxpr_cost(no_remat.jaxpr).flops)
