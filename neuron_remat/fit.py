@@ -306,14 +306,15 @@ class _Candidate:
 
 
 def _candidates(graph: StepGraph, tags: Sequence[str]) -> list[_Candidate]:
-    """Every subset of `tags`, one per distinct (kept, recompute) outcome (the smallest)."""
-    seen: dict[tuple[int, int], _Candidate] = {}
+    """Every subset of `tags`, least recompute first. Sets with equal kept bytes and
+    recompute stay apart: XLA may lay them out differently (saving ``o_proj`` or ``q_proj``
+    keeps as much and recomputes as much, yet compiles a few MiB apart)."""
+    found = []
     for r in range(len(tags) + 1):
         for subset in itertools.combinations(tags, r):
-            c = _Candidate(subset, graph.kept_bytes(subset), graph.read_bytes(subset),
-                           graph.recompute_flops(subset))
-            seen.setdefault((c.kept, c.recompute), c)
-    return sorted(seen.values(), key=lambda c: (c.recompute, c.kept, len(c.saved), c.saved))
+            found.append(_Candidate(subset, graph.kept_bytes(subset), graph.read_bytes(subset),
+                                    graph.recompute_flops(subset)))
+    return sorted(found, key=lambda c: (c.recompute, c.kept, len(c.saved), c.saved))
 
 
 @dataclass
@@ -325,6 +326,8 @@ class _Search:
     limit: int
     max_compiles: int
     band: float = DEFAULT_BAND
+    no_remat_kept: int | None = None  # what no remat keeps (None: not a candidate)
+    measure_no_remat: Callable[[int], int] | None = None  # (predicted) -> bytes
     compiled: dict[tuple[str, ...], int] = dataclasses.field(default_factory=dict)
     model: _Model | None = None
 
@@ -349,15 +352,26 @@ class _Search:
         near = [m[1] for m in misses if m[0] == nearest]
         return base + int(round(sum(near) / len(near)))
 
-    def run(self, used: int) -> tuple[_Candidate | None, int]:
-        """The least-recompute candidate that compiled within the limit (None: none did),
-        and the compiles made in all (`used` before the search).
+    def run(self, used: int) -> tuple[Any, int]:
+        """The least-recompute candidate that compiled within the limit (`NO_REMAT` when no
+        remat did, None when nothing did), and the compiles made in all (`used` before).
 
         After full remat and every tag saved (the calibration), each compile goes to the
         least-recompute set predicted within `band` of the limit that could beat the best
         fit so far; when none is, to the one predicted closest to fitting, within
         `WIDE_BAND`. Each compile recalibrates the model and the corrections."""
-        return self.walk(self.start(used))
+        used = self.start(used)
+        assert self.model is not None
+        if self.no_remat_kept is not None and self.measure_no_remat is not None:
+            # No remat keeps every value a backward reads, untagged ones too; its
+            # workspace is at least the intercept's: an optimistic floor. Compile it when
+            # it might fit; when it does, nothing recomputes less.
+            floor = self.model.predict(self.no_remat_kept, 0)
+            if floor <= self.limit * (1 + WIDE_BAND) and used < self.max_compiles:
+                used += 1
+                if self.measure_no_remat(floor) <= self.limit:
+                    return NO_REMAT, used
+        return self.walk(used)
 
     def start(self, used: int) -> int:
         """Compile full remat and every useful tag saved; calibrate on them."""
@@ -371,14 +385,23 @@ class _Search:
 
     def walk(self, used: int) -> tuple[_Candidate | None, int]:
         by_flops, last = self.candidates, self.candidates[0]
-        while used < self.max_compiles:
+        # Refuse only when nothing fits: while nothing has, the budget stretches by one
+        # compile per tag (XLA's workspace can drop by more than one tag keeps).
+        stretch = max(len(c.saved) for c in by_flops)
+        while used < self.max_compiles or (self.best() is None
+                                           and used < self.max_compiles + stretch):
             best = self.best()
             if best is not None and best is last:
                 break
             better = [c for c in by_flops if c.saved not in self.compiled
                       and (best is None or c.recompute < best.recompute)]
-            nxt = next((c for c in better if self.predict(c) <= self.limit * (1 + self.band)),
-                       None)
+            if best is None:  # nothing fits yet: the smallest predicted, to refuse only
+                nxt = min(better, key=lambda c: (self.predict(c), c.recompute), default=None)
+                if nxt is None:  # when nothing does
+                    break
+            else:
+                nxt = next((c for c in better
+                            if self.predict(c) <= self.limit * (1 + self.band)), None)
             if nxt is None:
                 near = [c for c in better if self.predict(c) <= self.limit * (1 + WIDE_BAND)]
                 if not near:
@@ -480,9 +503,13 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
                  else "confirm")
         return compile_one(label, c.saved, predicted).bytes
 
-    search = _Search(cands, measure, limit, max_compiles, band)
+    def measure_no_remat(predicted: int) -> int:
+        return compile_one("no remat", None, predicted).bytes
+
+    search = _Search(cands, measure, limit, max_compiles, band,
+                     no_remat_kept=graph.no_remat_kept_bytes(), measure_no_remat=measure_no_remat)
     try:
-        used = search.start(0)
+        best, _ = search.run(0)
     except _NoMemoryAnalysis as err:
         probes.append(Probe("full remat (no memory_analysis)", (), 0, 0, 0, 0, 0,
                             float("nan"), 0.0))
@@ -491,17 +518,11 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
                                   plan_options)
     model = search.model
     assert model is not None
-    # No remat keeps every value a backward reads, untagged ones too; its workspace is
-    # at least the intercept's, so this is optimistic: compile it when it might fit.
-    no_remat_floor = model.predict(graph.no_remat_kept_bytes(), 0)
-    if no_remat_floor <= limit * (1 + WIDE_BAND) and used < max_compiles:
-        no_remat = compile_one("no remat", None, no_remat_floor)
-        used += 1
-        if no_remat.bytes <= limit:
-            return _make_plan(graph, None, cands, device, hbm, held, limit, probes, model,
-                              tags, no_remat, plan_options)
-    best, used = search.walk(used)
-    model = search.model or model
+    if best is NO_REMAT:
+        p = probes[-1]
+        return _make_plan(graph, None, cands, device, hbm, held, limit, probes, model, tags,
+                          _Compiled(p.bytes, p.argument_bytes, p.output_bytes, p.temp_bytes,
+                                    p.alias_bytes, p.flops, p.seconds), plan_options)
     if best is None:
         raise NoFitError(_no_fit(probes, limit, hbm, held))
     chosen = next(p for p in reversed(probes) if p.saved == best.saved)

@@ -8,7 +8,7 @@ import itertools
 import logging
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,7 +172,18 @@ class Plan:
         included)."""
         if self.budget is None:
             return self.activation_bytes
-        return self.budget.state.total_bytes + self.activation_bytes + self.budget.workspace_bytes
+        return self.budget.state.total_bytes + self.activation_bytes + self.workspace_bytes
+
+    @property
+    def workspace_bytes(self) -> int:
+        """The workspace of this plan's policy (`Budget.workspace_for`); 0 without a
+        budget."""
+        if self.budget is None:
+            return 0
+        if self.config is None:
+            return self.budget.workspace_bytes
+        roles = [r for r in self.config.roles if self.config.tag(r) in self.saved_tags]
+        return self.budget.workspace_for(roles)
 
     @property
     def recompute_flops(self) -> float:
@@ -218,7 +229,7 @@ class Plan:
                              "grads_bytes": b.state.grads_bytes,
                              "optimizer_bytes": b.state.optimizer_bytes,
                              "reserve_bytes": b.reserve_bytes,
-                             "workspace_bytes": b.workspace_bytes,
+                             "workspace_bytes": self.workspace_bytes,
                              "available_bytes": b.available_bytes}
         if self.config is not None:
             out["model"] = self.config.name
@@ -243,7 +254,7 @@ class Plan:
             lines.append(
                 f"per core: HBM {fmt_bytes(b.hbm_bytes)} = state {fmt_bytes(b.state.total_bytes)}"
                 f" + reserve {fmt_bytes(b.reserve_bytes)} + workspace "
-                f"{fmt_bytes(b.workspace_bytes)} + activations "
+                f"{fmt_bytes(self.workspace_bytes)} + activations "
                 f"{fmt_bytes(self.activation_bytes)} + free {fmt_bytes(self.headroom_bytes)}")
         lines.append(
             f"per layer: keeps {fmt_bytes(self.kept_bytes_per_layer)} of "
@@ -261,10 +272,13 @@ class Plan:
 
 
 def _solve(footprint: mm.Footprint, candidates: Sequence[str], budget: int,
-           keep: int = 4) -> list[Choice]:
+           keep: int = 4, budget_for: Callable[[tuple[str, ...]], int] | None = None
+           ) -> list[Choice]:
     """The `keep` best feasible save sets (least recompute, then fewest bytes, then names),
     exactly: every subset is evaluated when the footprint is a joint model (at most 2**16)
-    or small (2**8), otherwise a branch and bound over the additive per-tag costs."""
+    or small (2**8), otherwise a branch and bound over the additive per-tag costs.
+    `budget_for(subset)`, when given, is each enumerated subset's own budget (its policy's
+    workspace); the branch and bound keeps the single `budget`."""
     if footprint.graph is not None or len(candidates) <= 8:
         if len(candidates) > 16:
             raise ValueError(f"{len(candidates)} candidate tags are too many to enumerate")
@@ -272,7 +286,7 @@ def _solve(footprint: mm.Footprint, candidates: Sequence[str], budget: int,
         for r in range(len(candidates) + 1):
             for subset in itertools.combinations(candidates, r):
                 kept, flops = footprint.evaluate(subset)
-                if kept <= budget:
+                if kept <= (budget if budget_for is None else budget_for(subset)):
                     found.append(Choice(tuple(sorted(subset)), kept, flops))
         found.sort(key=lambda c: (c.recompute_flops, c.kept_bytes, len(c.tags), c.tags))
         return _distinct(found, keep)
@@ -407,11 +421,17 @@ def plan(
         if t not in pool and t not in always:
             decisions[t] = "not a candidate"
     usable.sort()
-    choices = _solve(fp, usable, per_layer, keep=1 + runner_ups)
+    budget_for: Callable[[tuple[str, ...]], int] | None = None
+    if bud is not None and bud.graph is not None and budget_bytes is None:
+        budget_for = _own_workspace(bud, getattr(fp, "roles", {}))
+
+    choices = _solve(fp, usable, per_layer, keep=1 + runner_ups, budget_for=budget_for)
     if not choices:
         full_kept, _ = fp.evaluate(())
         raise NoFitError(_no_fit_message(full_kept, per_layer, bud, config, shape, par))
     best = choices[0]
+    if budget_for is not None:
+        per_layer = budget_for(best.tags)
     saved_groups = [g for g in paying if set(g.tags) <= set(best.tags)]
     for t in usable:
         cost = fp[t]
@@ -452,6 +472,12 @@ def plan(
         notes=tuple(notes),
         groups=tuple(GroupDecision(g.tags, g.label, g.bytes, g.recompute_flops, g.alone_flops,
                                    g.shared, set(g.tags) <= set(best.tags)) for g in groups))
+
+
+def _own_workspace(bud: mm.Budget, roles: Mapping[str, str]
+                   ) -> Callable[[tuple[str, ...]], int]:
+    """Per-layer budget of a save set with its own policy's workspace."""
+    return lambda subset: bud.per_layer_bytes_for(roles.get(t, t) for t in subset)
 
 
 def _as_footprint(mapping: Mapping[str, Any]) -> mm.Footprint:

@@ -200,7 +200,8 @@ def test_sweep_against_brute_force(step, graph, brute):
         plan = nr.fit(make_step, *args, device=_device(hbm), reserve=0)
         rec = plan.compiled
         assert rec is not None and rec.measured
-        assert rec.compiles <= 6
+        # The aim: 6 compiles for up to 8 tags; while nothing fits, one more per tag.
+        assert rec.compiles <= (6 if brute[()].bytes <= hbm else 6 + len(graph.tags))
         key = None if rec.no_remat else tuple(sorted(plan.saved_tags,
                                                      key=graph.tags.index))
         truth = brute[key]
