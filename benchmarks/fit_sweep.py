@@ -205,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         table, "",
         "gap pts: points of step FLOPs above the best compiled save set that fits.",
         "analytic gap: the same for the analytic plan's set, compiled (or how far over).", "",
-        "analytic model vs the 64 compiled programs (compiled - state - kept - workspace):",
+        f"analytic model vs the {len(brute) - 1} compiled save sets (compiled - state - kept - workspace):",
         ws_table] + ([] if demo is None else [
             "", f"fit on the demo decoder ({demo['tags']} tags, 64 MiB): {demo['seconds']:.1f} s"
             f", {demo['compiles']} compiles, saves {', '.join(demo['saved']) or 'nothing'}"]))

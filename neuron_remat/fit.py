@@ -12,20 +12,30 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    the others the backward proper, and the recomputed values the backward reads are what
    any policy must either keep or recompute. That makes one exact `graph.LayerGraph` per
    layer: for every save set, the bytes kept and the FLOPs recomputed, jointly;
-2. AOT-compiles a few probe policies (full remat, every tag saved, no remat), reads
-   ``memory_analysis()`` (argument + output + temp - alias) and ``cost_analysis()``, and
-   learns the compiled footprint of any save set S as
-   ``fixed + sum over layers of kept(S) + workspace(S)``, where ``workspace(S)`` is one
-   layer's backward working set: ``base + slope x`` the bytes of the values that layer's
-   backward recomputes and reads (more when little is saved);
-3. picks the save set with the least recompute predicted to fit ``HBM per core - reserve``,
-   compiles it to confirm, and if it does not fit takes the next best (never a plan that
-   does not fit). No remat is a candidate. `NoFitError` only when full remat does not fit.
+2. AOT-compiles full remat and every useful tag saved (``jit(step).lower(*args).compile()``),
+   reads ``memory_analysis()`` (argument + output + temp - alias) and ``cost_analysis()``,
+   and calibrates ``bytes(S) = fixed + kept(S) + slope x read(S)``: kept(S) the residuals
+   of every layer (exact, from the graphs), read(S) the bytes one layer's backward reads
+   that S recomputes (its working set beyond the residuals: more when little is saved),
+   `fixed` the state and the policy-independent temporaries. No remat is compiled when
+   its optimistic prediction (every value a backward reads kept, no working set) is within
+   `WIDE_BAND` of the limit, and returned when it fits: nothing recomputes less;
+3. walks the save sets by least recompute: compiles the first one predicted within
+   `DEFAULT_BAND` of the limit (each prediction corrected by the model's miss on the
+   nearest compiled set: XLA's buffer packing moves by a few MiB when one tag changes),
+   recalibrates, and stops when a set fits with no better set left to try or the budget
+   (`max_compiles`, 6 up to 8 tags) is spent. The plan is the least-recompute set whose
+   compile fit: never one that does not. While nothing has fit, the budget stretches by
+   one compile per tag and the smallest predicted sets go first, so `NoFitError` (with
+   the numbers) comes only when none of those fit either.
 
-A backend without ``memory_analysis()`` (it raises or returns None; the Neuron PJRT plugin
-may not implement it) is detected at the first probe: `fit` then plans from the traced
-graph with an uncalibrated workspace (``slope = 1``) and the analytic state figures, and
-logs a note saying so.
+On XLA:CPU the model misses by up to about 2.5 MiB on a 40-60 MiB step (tests/cpu and
+benchmarks/fit_sweep.py measure it); the compiles, not the model, decide what fits.
+
+A backend without ``memory_analysis()`` (it raises, returns None, or reports nothing; the
+Neuron PJRT plugin may not implement it) is detected at the first compile: `fit` then plans
+from the traced graphs with an uncalibrated model (fixed = the arguments and outputs, no
+aliasing assumed; slope 1) and logs a note saying so, which the plan carries too.
 
 When the step has no ``remat2`` equation (no ``jax.checkpoint`` in it, or a transform that
 hides it) the per-layer graph cannot be read; `fit` then raises a ValueError naming what
@@ -247,6 +257,8 @@ def _compile(step: Any, args: Sequence[Any]) -> _Compiled:
     if mem is None or not all(hasattr(mem, f) for f in fields):
         raise _NoMemoryAnalysis(f"memory_analysis() returned {mem!r}")
     arg, out, temp, alias = (int(getattr(mem, f)) for f in fields)
+    if arg + out + temp <= 0:
+        raise _NoMemoryAnalysis(f"memory_analysis() reports no bytes: {mem!r}")
     try:
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
