@@ -259,3 +259,60 @@ def test_cli_fit_bad_input_is_one_line(target, message):
     assert out.returncode == 2
     assert message in out.stderr and "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------------------
+# The analytic path: each policy's own workspace.
+# --------------------------------------------------------------------------------------
+
+SHAPE = nr.StepShape(seq_len=fit_demo.SEQ, micro_batch=fit_demo.BATCH,
+                     activation_dtype="float32", param_dtype="float32")
+
+
+def test_backward_working_set_shrinks_as_more_is_saved():
+    from neuron_remat import memory_model as mm
+
+    graph = mm.layer_graph(CONFIG, SHAPE)
+    roles = [r for r in CONFIG.roles if r != "input"]
+    full = mm.backward_working_set(graph, ())
+    for r in range(len(roles)):
+        for subset in itertools.combinations(roles, r):
+            ws = mm.backward_working_set(graph, subset)
+            for extra in set(roles) - set(subset):
+                assert mm.backward_working_set(graph, subset + (extra,)) <= ws
+            assert ws <= full
+    # a tag the backward reads leaves the working set when saved
+    a = graph.role_values()["linear1_0"].bytes
+    assert mm.backward_working_set(graph, ("linear1_0",)) == full - a
+
+
+def test_analytic_plan_checks_each_set_with_its_own_workspace():
+    from neuron_remat import memory_model as mm
+
+    par = nr.Parallelism()
+    graph = mm.layer_graph(CONFIG, SHAPE, par)
+    head = mm.head_bytes(CONFIG, SHAPE, par)
+    state = mm.model_state_bytes(CONFIG, SHAPE, par).total_bytes
+
+    def predicted(roles):
+        return (state + graph.evaluate_roles(roles).kept_bytes * CONFIG.layers
+                + max(mm.backward_working_set(graph, roles), head))
+
+    full = predicted(())
+    # it never refuses where full remat's own prediction fits ...
+    plan = nr.plan(_device(full), CONFIG, SHAPE, par, reserve=0)
+    assert plan.saved_tags == () and plan.predicted_bytes_per_core == full
+    # ... and where more fits, each set is checked with its own workspace
+    roles = [r for r in CONFIG.roles if r != "input"]
+    for extra in (MiB, 4 * MiB, 8 * MiB):
+        plan = nr.plan(_device(full + extra), CONFIG, SHAPE, par, reserve=0)
+        mine = [r for r in roles if CONFIG.tag(r) in plan.saved_tags]
+        assert plan.workspace_bytes == max(mm.backward_working_set(graph, mine), head)
+        assert plan.predicted_bytes_per_core == predicted(mine) <= full + extra
+        fitting = [sub for r in range(len(roles) + 1)
+                   for sub in itertools.combinations(roles, r)
+                   if predicted(sub) <= full + extra]
+        least = min(graph.evaluate_roles(sub).recompute_flops for sub in fitting)
+        assert plan.recompute_flops_per_layer == least
+    with pytest.raises(nr.NoFitError):
+        nr.plan(_device(full - 1), CONFIG, SHAPE, par, reserve=0)
