@@ -104,7 +104,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rows, entries = [], []
     for hbm in sizes:
         device = nr.parse_device(f"trn2.48xlarge:hbm={hbm}B:cores=1", source="benchmark")
-        fits = [(v["flops"], len(k), k) for k, v in brute.items() if v["bytes"] <= hbm]
+        fits = [(v["flops"], -1 if k is None else len(k), k) for k, v in brute.items()
+                if v["bytes"] <= hbm]
         best = min(fits, key=lambda f: (f[0], f[1])) if fits else None
         t = time.perf_counter()
         try:

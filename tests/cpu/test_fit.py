@@ -183,8 +183,10 @@ def _sizes(brute) -> list[int]:
 
 
 def _best(brute, limit):
-    fits = [(c.flops, len(k), k) for k, c in brute.items() if c.bytes <= limit]
-    return min(fits) if fits else None
+    """(FLOPs, key) of the least-FLOP compiled program that fits (no remat: key None)."""
+    fits = [(c.flops, -1 if k is None else len(k), k) for k, c in brute.items()
+            if c.bytes <= limit]
+    return min(fits, key=lambda f: f[:2]) if fits else None
 
 
 def test_sweep_against_brute_force(step, graph, brute):
