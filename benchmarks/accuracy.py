@@ -7,6 +7,10 @@ saved bytes. JAX's ``dots_saveable`` policies are predicted with
 ``graph.evaluate(lambda v: v.dot)`` and ``... v.dot and not v.batch_dot``; planner rows use
 the planner's own figures (for the traced planner, the traced footprint's additive sums).
 
+The frontier's fused q/k/v layer is planned from its traced footprint alone: its predicted
+bytes and recompute FLOPs (the traced graph, evaluated jointly) are compared the same way,
+per policy and over its compiled subsets.
+
 Reads a frontier JSON (``--from out/frontier.json``) or runs the frontier measurement.
 """
 
@@ -64,7 +68,31 @@ def analyse(frontier: dict[str, Any]) -> dict[str, Any]:
 
     base = frontier["no_remat_flops"]
     step_pred = 3 * frontier["forward_flops_predicted"]
+    fused = None
+    if frontier.get("fused"):
+        fz = frontier["fused"]
+        measured = [r for r in fz["policies"] + fz["subsets"]
+                    if r["recompute_flops"] is not None and r["tags"] is not None]
+        fused = {
+            "rows": [{"name": r["name"], "predicted_bytes": r["predicted_bytes"],
+                      "saved_bytes": r["saved_bytes"],
+                      "predicted_recompute_flops": r["predicted_recompute_flops"],
+                      "recompute_flops": r["recompute_flops"],
+                      "flops_ratio": _ratio(r["predicted_recompute_flops"],
+                                            r["recompute_flops"])}
+                     for r in fz["policies"]],
+            "subsets": len(fz["subsets"]),
+            "subsets_exact_bytes": sum(1 for x in fz["subsets"]
+                                       if x["predicted_bytes"] == x["saved_bytes"]),
+            "compiled": len(measured),
+            "flops_ratio": spread([r["predicted_recompute_flops"] / r["recompute_flops"]
+                                   for r in measured if r["recompute_flops"]]),
+            "max_flops_error_of_step": max(
+                (abs(r["predicted_recompute_flops"] - r["recompute_flops"])
+                 / fz["no_remat_flops"] for r in measured), default=None),
+        }
     return {
+        "fused": fused,
         "size": frontier["size"], "policies": rows,
         "subsets_bytes_ratio": spread(b_ratios),
         "subsets_flops_ratio": spread(f_ratios), "subsets_compiled": len(f_ratios),
@@ -103,6 +131,23 @@ def report(acc: dict[str, Any]) -> str:
     ts = acc["temp_slope_ratio"]
     lines.append(f"compiled temp slope / saved bytes: {ts['min']:.4f}..{ts['max']:.4f} "
                  f"(median {ts['median']:.4f})")
+    fz = acc.get("fused")
+    if fz:
+        lines += ["", "Fused q/k/v layer, traced footprint (predicted / measured, per layer)",
+                  C.table([(r["name"], C.kib(r["saved_bytes"]),
+                            _r(r["predicted_bytes"] / r["saved_bytes"]),
+                            f"{r['recompute_flops'] / 1e6:,.3f}", _r(r["flops_ratio"]))
+                           for r in fz["rows"]],
+                          ("policy", "saved KiB", "bytes pred/meas", "recompute MFLOP",
+                           "FLOPs pred/meas")),
+                  f"all {fz['subsets']} tag subsets: predicted bytes exact for "
+                  f"{fz['subsets_exact_bytes']}"]
+        if fz["flops_ratio"]:
+            fr_ = fz["flops_ratio"]
+            lines.append(f"{fz['compiled']} compiled policies and subsets: recompute FLOPs "
+                         f"pred/meas {fr_['min']:.4f}..{fr_['max']:.4f} (median "
+                         f"{fr_['median']:.4f}); error at most "
+                         f"{100 * fz['max_flops_error_of_step']:.3f}% of the step")
     st = acc["step_flops"]
     lines.append(f"no-remat step: 3 x predicted forward {st['predicted_3x_forward'] / 1e6:,.1f} "
                  f"MFLOP vs compiled {st['compiled_no_remat'] / 1e6:,.1f} MFLOP "

@@ -180,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     demo: dict[str, Any] | None = None
     if not args.small:
         dstep, dargs = fit_demo.factory()
-        dev = nr.parse_device("trn2.48xlarge:hbm=64MiB:cores=1", source="benchmark")
+        dev = nr.parse_device("trn2.48xlarge:hbm=32MiB:cores=1", source="benchmark")
         t = time.perf_counter()
         dplan = nr.fit(dstep, *dargs, device=dev, reserve=0)
         demo = {"seconds": time.perf_counter() - t, "compiles": dplan.compiled.compiles,
@@ -208,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "analytic gap: the same for the analytic plan's set, compiled (or how far over).", "",
         f"analytic model vs the {len(brute) - 1} compiled save sets (compiled - state - kept - workspace):",
         ws_table] + ([] if demo is None else [
-            "", f"fit on the demo decoder ({demo['tags']} tags, 64 MiB): {demo['seconds']:.1f} s"
+            "", f"fit on the demo decoder ({demo['tags']} tags, 32 MiB): {demo['seconds']:.1f} s"
             f", {demo['compiles']} compiles, saves {', '.join(demo['saved']) or 'nothing'}"]))
     return C.finish(args, NAME, result, text, say)
 

@@ -20,7 +20,14 @@ Policies: no remat, full remat, JAX's ``dots_saveable`` and
 choice ``trn2-fuji-70b`` among them), MaxText's named policies written as save sets of
 axlearn tags, and the planner's choice (`plan(footprint=layer_footprint(...))`) at several
 per-layer budgets from full remat up to saving every tag. The same planner on a
-`traced_footprint` (per-tag costs measured by JAX, assumed additive) is shown beside it.
+`traced_footprint` (the graph of the traced layer, evaluated jointly) is shown beside it.
+
+The fused q/k/v variant (axlearn's ``FusedGroupedQKVLinear``, the base Fuji layers: one
+matmul, three tagged slices) runs the same way with the traced footprint as the planner's
+only model: no remat, full remat, axlearn's TRN2 regex ``.*[kqv]_proj|.*linear1_[01]`` and
+its default regex ``.*([qkvo]_proj|context)`` as hand-written rows, the planner at the same
+budgets and at each regex's own byte budget, and the optimum over the tag subsets. The
+footprint and plan timings are printed with it.
 
 For each budget it reports the planner's overhead, the best overhead of any listed
 hand-written policy whose measured saved bytes fit, and the exhaustive optimum over every
@@ -125,7 +132,7 @@ class Bench:
     """The layer stack, and cached measurements: one compile per distinct program."""
 
     def __init__(self, size: C.Size, layers: Sequence[int], compile_options: dict[str, Any],
-                 dtype: str = "float32", device: Any = None) -> None:
+                 dtype: str = "float32", device: Any = None, fused_qkv: bool = False) -> None:
         # Arrays are committed to `device` (the CPU unless told), so programs compile for
         # it even where another backend is the default.
         self.device = device if device is not None else jax.devices("cpu")[0]
@@ -141,8 +148,9 @@ class Bench:
         # Nothing is executed, so values do not matter: fill the reference layer's shapes
         # with numpy noise (eager jax.random would compile a dozen small programs).
         rng = np.random.default_rng(0)
-        shapes = jax.eval_shape(lambda k: ref.init_layer(k, self.config, self.dtype),
-                                jax.random.PRNGKey(0))
+        shapes = jax.eval_shape(
+            lambda k: ref.init_layer(k, self.config, self.dtype, fused_qkv=fused_qkv),
+            jax.random.PRNGKey(0))
 
         def fill(shape: tuple[int, ...]) -> jax.Array:
             host = (rng.standard_normal(shape, np.float32) * 0.05).astype(self.dtype)
@@ -368,8 +376,114 @@ def measure(args: Any, say: C.Printer) -> dict[str, Any]:
         f"{bench.programs_compiled - named_programs} more for the subsets "
         f"({time.perf_counter() - t_sub:.0f} s)")
     check = codegen_check(bench, rows)
-    return summarise(bench, rows, subs, budget_list, args, time.perf_counter() - t0) | {
+    out = summarise(bench, rows, subs, budget_list, args, time.perf_counter() - t0) | {
         "codegen_check": check}
+    if not args.no_fused:
+        t_fused = time.perf_counter()
+        out["fused"] = measure_fused(size, layers[0], bench.compile_options, args)
+        say(f"fused q/k/v variant measured ({time.perf_counter() - t_fused:.0f} s)")
+    return out
+
+
+AXLEARN_TRN2 = r".*[kqv]_proj|.*linear1_[01]"
+AXLEARN_DEFAULT = r".*([qkvo]_proj|context)"
+
+
+def measure_fused(size: C.Size, layers: int, options: dict[str, Any], args: Any
+                  ) -> dict[str, Any]:
+    """The fused q/k/v layer, planned from its traced footprint (see the module docstring)."""
+    bench = Bench(size, (layers,), options, fused_qkv=True)
+    t = time.perf_counter()
+    fp = nr.traced_footprint(bench.layer_fn, bench.x, bench.layer_params)
+    footprint_s = time.perf_counter() - t
+    tags = [t for t in fp if not fp[t].always_kept]
+    cp = jax.checkpoint_policies
+    hand: list[tuple[str, Any, tuple[str, ...] | None]] = [
+        ("no remat", NO_REMAT, None), ("full remat", cp.nothing_saveable, ())]
+    for name, regex in (("axlearn TRN2 regex", AXLEARN_TRN2),
+                        ("axlearn default regex", AXLEARN_DEFAULT)):
+        policy = nr.RegexPolicy([regex])
+        hand.append((name, policy, tuple(t for t in tags if policy.action(t) == "save")))
+    low, _ = fp.evaluate(())
+    high, _ = fp.evaluate(tags)
+    budget_list = sorted({int(round(b)) for b in np.linspace(low, high, args.budgets)})
+    specials = {name: fp.evaluate(saved)[0] for name, _, saved in hand[2:]}
+    plans, plan_ms = [], []
+    for b in sorted(set(budget_list) | set(specials.values())):
+        t = time.perf_counter()
+        p = nr.plan(footprint=fp, budget_bytes=b)
+        plan_ms.append(1e3 * (time.perf_counter() - t))
+        plans.append((b, p))
+    rows = []
+
+    def row(name: str, group: str, policy: Any, saved: tuple[str, ...] | None,
+            budget: int | None = None) -> dict[str, Any]:
+        res = bench.residuals(policy)
+        if saved is None:
+            pred = (fp.no_remat_bytes, 0.0)
+        else:
+            pred = fp.evaluate(saved)
+        return {"name": name, "group": group, "tags": None if saved is None else list(saved),
+                "budget_bytes": budget, "saved_bytes": res.bytes, "predicted_bytes": pred[0],
+                "predicted_recompute_flops": pred[1],
+                "flops": bench.compile(policy, layers).flops}
+
+    for name, policy, saved in hand:
+        rows.append(row(name, "hand", policy, saved))
+    for b, p in plans:
+        rows.append(row(f"planner @ {C.kib(b)} KiB", "planner", p.policy, p.saved_tags, b))
+    base = rows[0]["flops"]
+    for r in rows:
+        r["recompute_flops"] = r["flops"] - base
+        r["overhead"] = _overhead(r["flops"], base)
+    subs = []
+    for n in range(len(tags) + 1):
+        for saved in itertools.combinations(tags, n):
+            policy = jax.checkpoint_policies.save_only_these_names(*saved)
+            pb, pf = fp.evaluate(saved)
+            subs.append({"tags": list(saved), "policy": policy, "predicted_bytes": pb,
+                         "predicted_recompute_flops": pf,
+                         "saved_bytes": bench.residuals(policy).bytes})
+    for b in budget_list + list(specials.values()):
+        fit = sorted((s for s in subs if s["saved_bytes"] <= b),
+                     key=lambda s: (s["predicted_recompute_flops"], s["saved_bytes"]))
+        for s in fit if args.exhaustive == "all" else fit[:args.top]:
+            bench.compile(s["policy"], layers)
+    for s in subs:
+        c = bench.cached(s.pop("policy"), layers)
+        s["recompute_flops"] = None if c is None else c.flops - base
+        s["overhead"] = None if c is None else _overhead(c.flops, base)
+    per_budget = []
+    for b in budget_list:
+        mine = next(r for r in rows if r["group"] == "planner" and r["budget_bytes"] == b)
+        cands = [s for s in subs if s["overhead"] is not None and s["saved_bytes"] <= b]
+        opt = min(cands, key=lambda s: (s["overhead"], s["saved_bytes"]))
+        fit = [r for r in rows if r["group"] == "hand" and r["saved_bytes"] <= b]
+        best = min(fit, key=lambda r: (r["overhead"], r["saved_bytes"]), default=None)
+        per_budget.append({
+            "budget_bytes": b, "planner": {k: mine[k] for k in ("tags", "saved_bytes",
+                                                                 "overhead")},
+            "optimum": {k: opt[k] for k in ("tags", "saved_bytes", "overhead")},
+            "best_hand_written": None if best is None else {
+                k: best[k] for k in ("name", "saved_bytes", "overhead")},
+            "planner_minus_optimum": mine["overhead"] - opt["overhead"]})
+    against = []
+    for name, b in specials.items():
+        regex = next(r for r in rows if r["name"] == name)
+        mine = next(r for r in rows if r["group"] == "planner" and r["budget_bytes"] == b)
+        against.append({"regex": name, "budget_bytes": b, "regex_overhead": regex["overhead"],
+                        "planner_tags": mine["tags"], "planner_overhead": mine["overhead"],
+                        "planner_saved_bytes": mine["saved_bytes"]})
+    return {
+        "footprint_seconds": footprint_s, "plan_ms": plan_ms,
+        "plan_ms_median": float(np.median(plan_ms)),
+        "tags": list(fp), "groups": [dataclasses.asdict(g) | {"label": g.label}
+                                     for g in fp.groups],
+        "per_tag": {t: {"bytes": c.bytes, "recompute_flops": c.recompute_flops}
+                    for t, c in fp.items()},
+        "no_remat_flops": base, "policies": rows, "subsets": subs, "budgets": per_budget,
+        "against_regexes": against,
+    }
 
 
 def codegen_check(bench: Bench, rows: list[Row]) -> dict[str, Any]:
@@ -545,6 +659,40 @@ def report(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _short_tags(tags: Sequence[str] | None) -> str:
+    return short(None if tags is None else [t.rsplit(".", 1)[-1] for t in tags])
+
+
+def report_fused(res: dict[str, Any]) -> str:
+    lines = [
+        "Fused q/k/v layer (one matmul, three tags), planned from its traced footprint "
+        "(predicted vs compiled, per layer)",
+        C.table([(r["name"], _short_tags(r["tags"]), C.kib(r["predicted_bytes"]),
+                  C.kib(r["saved_bytes"]), f"{r['predicted_recompute_flops'] / 1e6:,.2f}",
+                  f"{r['recompute_flops'] / 1e6:,.2f}", C.pct(r["overhead"]))
+                 for r in res["policies"]],
+                ("policy", "saves", "pred KiB", "saved KiB", "pred MFLOP", "recompute MFLOP",
+                 "overhead")),
+        "",
+        C.table([(C.kib(e["budget_bytes"]), _short_tags(e["planner"]["tags"]),
+                  C.pct(e["planner"]["overhead"]), _short_tags(e["optimum"]["tags"]),
+                  C.pct(e["optimum"]["overhead"]),
+                  e["best_hand_written"]["name"] if e["best_hand_written"] else "-",
+                  C.pct(e["best_hand_written"]["overhead"]) if e["best_hand_written"] else "-")
+                 for e in res["budgets"]],
+                ("budget KiB", "planner saves", "planner", "optimum saves", "optimum",
+                 "best hand-written", "its")),
+    ]
+    for a in res["against_regexes"]:
+        lines.append(f"at the {a['regex']}'s {C.kib(a['budget_bytes'])} KiB: regex "
+                     f"{C.pct(a['regex_overhead'])}, planner {C.pct(a['planner_overhead'])} "
+                     f"saving {_short_tags(a['planner_tags'])}")
+    lines.append("groups: " + ("; ".join(g["label"] for g in res["groups"]) or "none"))
+    lines.append(f"traced footprint {res['footprint_seconds']:.3f} s; plan median "
+                 f"{res['plan_ms_median']:.2f} ms (first {res['plan_ms'][0]:.2f} ms)")
+    return "\n".join(lines)
+
+
 def plot(res: dict[str, Any], path: Path) -> Path:
     """Saved bytes per layer against recompute overhead."""
     import matplotlib  # noqa: PLC0415
@@ -645,6 +793,8 @@ def build_parser() -> Any:
                    help="with --exhaustive top: subsets compiled per budget (default 3)")
     p.add_argument("--no-traced", action="store_true",
                    help="skip the planner on a traced footprint")
+    p.add_argument("--no-fused", action="store_true",
+                   help="skip the fused q/k/v variant")
     p.add_argument("--default-codegen", action="store_true",
                    help="compile with XLA's default CPU code generation (slower, same figures)")
     p.add_argument("--png", type=Path, default=None, help="plot (default OUT/frontier.png)")
@@ -662,6 +812,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     say = C.Printer(args.quiet)
     res = measure(args, say)
     say(report(res))
+    if "fused" in res:
+        say("")
+        say(report_fused(res["fused"]))
     json_file = C.write_json(C.json_path(args, NAME), res)
     png = plot(res, args.png or args.out / f"{NAME}.png")
     say(f"wrote {json_file} and {png}")

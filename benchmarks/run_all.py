@@ -44,6 +44,8 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
             e.get("planner_minus_optimum", 0.0) <= fr["tie"] for e in fr["budgets"])
         out["planner_never_worse_than_hand_written"] = all(
             e.get("planner_minus_best_hand_written", 0.0) <= fr["tie"] for e in fr["budgets"])
+        if fr.get("fused"):
+            out["fused_against_regexes"] = fr["fused"]["against_regexes"]
     acc = results.get("accuracy")
     if acc:
         out["accuracy"] = {"subsets_bytes_ratio": acc["subsets_bytes_ratio"],
@@ -59,6 +61,7 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
     sc = results.get("scaling")
     if sc:
         out["scaling"] = sc["fits"]
+        out["traced_speed"] = sc.get("traced")
     fs = results.get("fit_sweep")
     if fs:
         out["fit_sweep"] = {"always_fits": fs["fit_always_fits"],

@@ -12,6 +12,12 @@
   subset is enumerated up to 12 tags, branch and bound beyond. Each answer is checked
   against a brute-force optimum (numpy, up to 20 tags).
 
+* `traced_footprint()` and `plan()` on it for traced layers with 9 tags (one reference
+  layer with fused q/k/v, the default benchmark size) and 16 tags (two reference layers in
+  one function, the second with its own tag names; its two dead ``linear2`` tags left out):
+  the footprint (JVP trace and graph), the first `plan()` on it and warm `plan()` calls.
+  Targets: footprint under 3 s at 9 tags and 10 s at 16, plan under 50 ms at 9 tags.
+
 Growth is fitted as ``time ~ N**k`` (log-log least squares) and, for tags, also as a
 factor per added tag.
 """
@@ -130,6 +136,65 @@ def plan_vs_tags(counts: Sequence[int], repeat: int, check_up_to: int) -> list[d
     return out
 
 
+def _traced_layer(tags: int, size: C.Size) -> tuple[Any, tuple[Any, ...], list[str] | None]:
+    """(fn, args, tag subset) of a traced layer with 9 or 16 tags."""
+    import jax  # noqa: PLC0415
+
+    from neuron_remat import reference as ref  # noqa: PLC0415
+
+    config = size.config(2)
+    rng = np.random.default_rng(0)
+    shapes = jax.eval_shape(lambda k: ref.init_layer(k, config, fused_qkv=True),
+                            jax.random.PRNGKey(0))
+    p1 = jax.tree.map(lambda s: (rng.standard_normal(s.shape) * 0.05).astype(np.float32),
+                      shapes)
+    x = (rng.standard_normal((size.batch, size.seq, size.hidden))).astype(np.float32)
+    if tags == 9:
+        return (lambda p, x: ref.layer_params_first(p, x, config)), (p1, x), None
+    names = {f: getattr(config.tags, f) for f in
+             ("input", "q_proj", "k_proj", "v_proj", "context", "o_proj", "linear1_0",
+              "linear1_1", "linear2")}
+    second = dataclasses.replace(config, tags=dataclasses.replace(
+        config.tags, vocabulary="second", **{k: f"{v}_b" for k, v in names.items()}))
+    p2 = jax.tree.map(lambda a: a * 0.5, p1)
+
+    def two(params: Any, x: Any) -> Any:
+        return ref.layer(ref.layer(x, params[0], config), params[1], second)
+
+    keep = list(ref.tag_names(config).values()) + list(ref.tag_names(second).values())
+    keep = [t for t in keep if not t.endswith(("linear2", "linear2_b"))]
+    assert len(keep) == 16, keep
+    return two, ((p1, p2), x), keep
+
+
+def traced_speed(sizes: Sequence[tuple[int, C.Size]], repeat: int) -> list[dict[str, Any]]:
+    import neuron_remat as nr  # noqa: PLC0415
+
+    out = []
+    for tags, size in sizes:
+        fn, args, keep = _traced_layer(tags, size)
+        nr.traced_footprint(fn, *args, tags=keep)  # warm JAX's tracing caches
+        times, fp = [], None
+        for _ in range(repeat):
+            t = time.perf_counter()
+            fp = nr.traced_footprint(fn, *args, tags=keep)
+            times.append(time.perf_counter() - t)
+        assert fp is not None and len(fp) == tags
+        low, _ = fp.evaluate(())
+        high, _ = fp.evaluate(list(fp))
+        budget = (low + high) // 2
+        t = time.perf_counter()
+        p = nr.plan(footprint=fp, budget_bytes=budget, min_flops_per_byte=0)
+        first = time.perf_counter() - t
+        warm = C.median_time(lambda: nr.plan(footprint=fp, budget_bytes=budget,
+                                             min_flops_per_byte=0), repeat)
+        out.append({"tags": tags, "size": size.to_dict(), "ops": len(fp.graph.ops),
+                    "footprint_s": statistics.median(times), "plan_first_ms": 1e3 * first,
+                    "plan_warm_ms": 1e3 * warm, "saved_tags": list(p.saved_tags),
+                    "groups": [g.label for g in fp.groups]})
+    return out
+
+
 def fits(res: dict[str, Any]) -> dict[str, Any]:
     pl, au, tg = res["plan_layers"], res["audit_layers"], res["plan_tags"]
     enum = [r for r in tg if r["method"] == "enumeration"]
@@ -173,6 +238,14 @@ def report(res: dict[str, Any]) -> str:
         f"growth: enumeration x{f['enumeration_factor_per_tag']:.2f} per tag; branch and bound "
         f"x{f['branch_and_bound_factor_per_tag']:.2f} per tag (~ tags^"
         f"{f['branch_and_bound_exponent']:.2f})",
+        "",
+        "traced_footprint() and plan() on it (joint, exact; targets: footprint < 3 s at 9 "
+        "tags, < 10 s at 16; plan < 50 ms at 9 tags)",
+        C.table([(r["tags"], f"h={r['size']['hidden']} seq={r['size']['seq']}", r["ops"],
+                  f"{r['footprint_s']:.3f}", f"{r['plan_first_ms']:.1f}",
+                  f"{r['plan_warm_ms']:.2f}") for r in res["traced"]],
+                ("tags", "layer", "graph ops", "footprint s", "first plan ms",
+                 "warm plan ms")),
     ]
     return "\n".join(lines)
 
@@ -188,6 +261,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     say = C.Printer(args.quiet)
     t0 = time.perf_counter()
+    size = C.SIZES["small" if args.small else "default"]
     if args.small:
         layers, audit_layers, tags = (8, 32, 80, 160), (2, 4), (4, 8, 12, 14, 18)
         reps, audit_reps, check = 5, 1, 14
@@ -200,6 +274,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "audit_layers": audit_vs_layers(audit_layers, audit_reps),
         "plan_tags": plan_vs_tags(sorted(tags), reps if args.small else 5, check),
         "audit_layer_size": TINY.to_dict(),
+        "traced": traced_speed([(9, size), (16, size)], 1 if args.small else 3),
     }
     res["fits"] = fits(res)
     res["seconds"] = time.perf_counter() - t0

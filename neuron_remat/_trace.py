@@ -151,20 +151,31 @@ _REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "a
 
 
 def eqn_flops(eqn: Any) -> int:
+    """FLOPs of one equation as XLA's HloCostAnalysis counts its lowering: 2 per
+    multiply-add of a matmul, one per element of arithmetic, a reduction's input minus
+    output elements, nothing for data movement or transcendental functions (counted apart),
+    except ``logistic``, which XLA expands to negate, exp, add and divide (3 FLOPs)."""
     name = str(eqn.primitive)
     if name == "dot_general":
         (lhs_contract, _), _ = eqn.params["dimension_numbers"]
         lhs = eqn.invars[0].aval.shape
         k = math.prod(lhs[i] for i in lhs_contract)
         return 2 * int(math.prod(eqn.outvars[0].aval.shape)) * int(k)
+    if name == "logistic":
+        return 3 * int(math.prod(eqn.outvars[0].aval.shape))
     if name in _FREE:
         return 0
     if name in _REDUCE:
-        return int(math.prod(eqn.invars[0].aval.shape))
+        size = int(math.prod(eqn.invars[0].aval.shape))
+        if name.startswith("cum"):
+            return size
+        return size - int(math.prod(getattr(eqn.outvars[0].aval, "shape", ())))
     if name == "integer_pow":
-        y = abs(int(eqn.params.get("y", 2)))
-        per = max(1, y.bit_length() - 1 + bin(y).count("1") - 1)
+        y = int(eqn.params.get("y", 2))
+        per = max(1, abs(y).bit_length() - 1 + bin(abs(y)).count("1") - 1) + (y < 0)
         return per * int(math.prod(eqn.outvars[0].aval.shape))
+    if name == "convert_element_type" and eqn.invars[0].aval.dtype == eqn.outvars[0].aval.dtype:
+        return 0  # a weak-type change: no instruction
     out = eqn.outvars[0].aval if eqn.outvars else None
     return int(math.prod(getattr(out, "shape", ()))) if out is not None else 0
 
@@ -214,9 +225,10 @@ def jaxpr_graph(jaxpr: Any, *, unknown: Sequence[bool],
     """The `LayerGraph` of a jaxpr split into a known (primal) and an unknown part.
 
     `unknown[i]` says whether invar i is unknown (a tangent or cotangent) or known (a primal
-    value: a layer activation or a parameter). `activation[i]` says whether a known invar is
-    an activation, whose bytes count when the backward reads it (default: every known invar);
-    the others are parameters, kept at no cost. Give the JVP jaxpr of a layer (primals known,
+    value: a layer activation or a parameter). `activation[i]` (one entry per invar; those of
+    unknown invars are ignored) says whether a known invar is an activation, whose bytes
+    count when the backward reads it (default: every known invar); the others are
+    parameters, kept at no cost. Constants of the jaxpr count as parameters. Give the JVP jaxpr of a layer (primals known,
     tangents unknown) or the body of a differentiated ``remat`` (residuals known, cotangents
     unknown).
 
@@ -324,8 +336,10 @@ def jaxpr_graph(jaxpr: Any, *, unknown: Sequence[bool],
             live.update(u_in)
             reads.extend(reversed(k_in))
     reads = list(dict.fromkeys(reversed(reads)))
+    outs = [n for n in (read(env, o) for o in jaxpr.outvars) if n is not None and n not in unk]
     return LayerGraph(values=values, ops=tuple(ops), inputs=tuple(inputs),
-                      params=tuple(params), reads=tuple(reads))
+                      params=tuple(params), reads=tuple(reads), outputs=tuple(outs),
+                      round_saved=True)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,11 @@ class Value:
         size = self.itemsize or dtype_bytes(self.dtype)
         return math.prod(self.shape) * size + self.extra_bytes
 
+    @property
+    def rounding_flops(self) -> int:
+        """XLA's count for a ``reduce_precision`` of it (floating dtypes only)."""
+        return math.prod(self.shape) if self.dtype.startswith(("float", "bfloat")) else 0
+
 
 @dataclass(frozen=True)
 class Op:
@@ -82,6 +87,17 @@ class LayerGraph:
     input, the scan carry); `params` are kept too but count nothing (parameters and
     constants: model state, not activations). `reads` are values the backward reads beyond
     the ops' `needs` (a traced graph lists everything its backward reads here).
+
+    `outputs` are the layer's primal results (the jaxpr builder records them). When given,
+    recompute FLOPs are step FLOPs under the policy minus step FLOPs without remat, as a
+    compiled step counts them: work that only the backward reads (a JVP's side values, such
+    as the mask of a max) is done in the forward without remat but moves into the backward
+    under remat, so it is not extra work. Without `outputs` (the analytic graph, whose every
+    op leads to the output) that term is empty.
+
+    `round_saved`: JAX's remat rounds every saved intermediate (not inputs) of a float
+    dtype with a ``reduce_precision`` (jax PR 22244), one FLOP per element in XLA's count;
+    recompute FLOPs then include it. The jaxpr builder sets it.
     """
 
     values: Mapping[str, Value]
@@ -89,6 +105,8 @@ class LayerGraph:
     inputs: tuple[str, ...] = ("x",)
     params: tuple[str, ...] = ()
     reads: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    round_saved: bool = False
 
     @functools.cached_property
     def _producers(self) -> dict[str, Op]:
@@ -101,6 +119,31 @@ class LayerGraph:
     @functools.cached_property
     def _held(self) -> frozenset[str]:
         return frozenset(self.inputs) | frozenset(self.params)
+
+    def ancestors(self, values: Iterable[str]) -> set[str]:
+        """Names of the ops that `values` are computed from (back to held inputs)."""
+        held, producers = self._held, self._producers
+        ops: set[str] = set()
+        seen: set[str] = set()
+        stack = list(values)
+        while stack:
+            v = stack.pop()
+            if v in seen or v in held:
+                continue
+            seen.add(v)
+            op = producers[v]
+            if op.name not in ops:
+                ops.add(op.name)
+                stack.extend(op.inputs)
+        return ops
+
+    @functools.cached_property
+    def moved(self) -> frozenset[str]:
+        """Ops the forward runs without remat only because the backward reads their results
+        (empty without `outputs`)."""
+        if not self.outputs:
+            return frozenset()
+        return frozenset(self.ancestors(self.needed()) - self.ancestors(self.outputs))
 
     def needed(self) -> tuple[str, ...]:
         """Every value the backward reads, in first-read order."""
@@ -138,6 +181,11 @@ class LayerGraph:
         params = set(self.params)
         kept_bytes = sum(self.values[v].bytes for v in kept if v not in params)
         flops = sum(o.flops for o in self.ops if o.name in recomputed)
+        if self.moved:  # see the class docstring
+            forward = self.ancestors(v for v in kept if v not in held)
+            flops -= sum(self._by_name[o].flops for o in self.moved - forward)
+        if self.round_saved:
+            flops += sum(self.values[v].rounding_flops for v in kept if v not in held)
         order = [o.name for o in self.ops]
         return Evaluation(kept_bytes, flops,
                           tuple(v for v in self.values if v in kept and v not in params),
@@ -173,6 +221,9 @@ class LayerGraph:
         return {v.role: v for v in self.values.values() if v.role is not None}
 
 
+MEMO_LIMIT = 1 << 16  # evaluations remembered per graph
+
+
 def _bits(mask: int) -> Iterator[int]:
     while mask:
         low = mask & -mask
@@ -202,8 +253,11 @@ class Closures:
     role_masks: Mapping[str, int]  # role -> its tagged values
     segments: tuple[Segment, ...]
     tag_bytes: tuple[int, ...]
+    tag_flops: tuple[int, ...]  # what keeping each costs in FLOPs (`round_saved`)
     op_atoms: tuple[tuple[int, int], ...]  # (segment mask, FLOPs)
     held_atoms: tuple[tuple[int, int], ...]  # (segment mask, bytes)
+    moved_flops: int  # `LayerGraph.moved`: FLOPs not extra unless a kept value needs them
+    moved_atoms: tuple[tuple[int, int], ...]  # (mask of tagged values computed from, FLOPs)
     memo: dict[int, tuple[int, int, int]]  # saved mask -> (bytes, flops, segment mask)
 
     @classmethod
@@ -261,9 +315,21 @@ class Closures:
             role = graph.values[n].role
             assert role is not None
             role_masks[role] = role_masks.get(role, 0) | 1 << i
+        moved = graph.moved
+        moved_sig = dict.fromkeys(moved, 0)
+        if moved:
+            for n, i in index.items():
+                for o in graph.ancestors([n]) & moved:
+                    moved_sig[o] |= 1 << i
+        moved_atoms: dict[int, int] = {}
+        for o, sig in moved_sig.items():
+            moved_atoms[sig] = moved_atoms.get(sig, 0) + graph._by_name[o].flops
         return cls(tagged, role_masks, tuple(segments),
                    tuple(graph.values[n].bytes for n in tagged),
-                   tuple(op_atoms.items()), tuple(held_atoms.items()), {})
+                   tuple(graph.values[n].rounding_flops if graph.round_saved else 0
+                         for n in tagged),
+                   tuple(op_atoms.items()), tuple(held_atoms.items()),
+                   sum(moved_atoms.values()), tuple(moved_atoms.items()), {})
 
     def mask(self, roles: Iterable[str]) -> int:
         out = 0
@@ -289,8 +355,12 @@ class Closures:
         nbytes = sum(self.tag_bytes[i] for i in _bits(kept))
         nbytes += sum(b for sig, b in self.held_atoms if sig & segs)
         flops = sum(f for sig, f in self.op_atoms if sig & segs)
+        if self.moved_flops:
+            flops -= self.moved_flops - sum(f for sig, f in self.moved_atoms if sig & kept)
+        flops += sum(self.tag_flops[i] for i in _bits(kept))
         out = (nbytes, flops, segs)
-        self.memo[saved] = out
+        if len(self.memo) < MEMO_LIMIT:
+            self.memo[saved] = out
         return out
 
     def cost(self, saved: int) -> tuple[int, int]:
@@ -390,7 +460,7 @@ def find_groups(graph: LayerGraph, roles: Mapping[str, str]) -> tuple[TagGroup, 
         tags = tuple(t for t in order if roles[t] in rs)
         nbytes, left = graph.cost_of_roles(rs)
         joint = base_flops - left
-        alone = sum(base_flops - graph.cost_of_roles((roles[t],))[1] for t in tags)
+        alone = sum(max(base_flops - graph.cost_of_roles((roles[t],))[1], 0) for t in tags)
         if joint <= alone:
             continue
         dots = [o for o in ops if graph.values[graph._by_name[o].output].dot]

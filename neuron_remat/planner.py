@@ -275,13 +275,14 @@ def _solve(footprint: mm.Footprint, candidates: Sequence[str], budget: int,
            keep: int = 4, budget_for: Callable[[tuple[str, ...]], int] | None = None
            ) -> list[Choice]:
     """The `keep` best feasible save sets (least recompute, then fewest bytes, then names),
-    exactly: every subset is evaluated when the footprint is a joint model (at most 2**16)
-    or small (2**8), otherwise a branch and bound over the additive per-tag costs.
+    exactly: every subset is evaluated jointly on the footprint's graph when it has one
+    (`_solve_joint`, up to `MAX_JOINT_TAGS` candidates), or when an additive footprint is
+    small (2**8); otherwise a branch and bound over the additive per-tag costs.
     `budget_for(subset)`, when given, is each enumerated subset's own budget (its policy's
-    workspace); the branch and bound keeps the single `budget`."""
-    if footprint.graph is not None or len(candidates) <= 8:
-        if len(candidates) > 16:
-            raise ValueError(f"{len(candidates)} candidate tags are too many to enumerate")
+    workspace; never below `budget`); the branch and bound keeps the single `budget`."""
+    if footprint.graph is not None:
+        return _solve_joint(footprint, candidates, budget, keep, budget_for)
+    if len(candidates) <= 8:
         found = []
         for r in range(len(candidates) + 1):
             for subset in itertools.combinations(candidates, r):
@@ -291,6 +292,62 @@ def _solve(footprint: mm.Footprint, candidates: Sequence[str], budget: int,
         found.sort(key=lambda c: (c.recompute_flops, c.kept_bytes, len(c.tags), c.tags))
         return _distinct(found, keep)
     return _branch_and_bound(footprint, candidates, budget, keep)
+
+
+MAX_JOINT_TAGS = 20
+"""Candidate tags a joint footprint is searched over exhaustively (2**20 tag sets)."""
+
+
+def _solve_joint(footprint: mm.Footprint, candidates: Sequence[str], budget: int,
+                 keep: int, budget_for: Callable[[tuple[str, ...]], int] | None = None
+                 ) -> list[Choice]:
+    """`_solve` on a footprint with a graph: every tag set is evaluated jointly (the
+    graph's bitmask evaluation, one union per tag set built from a smaller one)."""
+    n = len(candidates)
+    if n > MAX_JOINT_TAGS:
+        raise ValueError(f"{n} candidate tags are too many to search jointly (at most "
+                         f"{MAX_JOINT_TAGS}); restrict candidates=")
+    graph = footprint.graph
+    assert graph is not None
+    closures = graph.closures
+    bits = [closures.mask([footprint.roles[t]]) for t in candidates]
+    saved = [0] * (1 << n)
+    found = []
+    run = closures.run
+    # A policy's own budget is never below `budget` (full remat's workspace is the
+    # largest) nor above saving every candidate's.
+    top = budget if budget_for is None else max(budget, budget_for(tuple(candidates)))
+    for i in range(1 << n):
+        if i:
+            low = i & -i
+            saved[i] = saved[i ^ low] | bits[low.bit_length() - 1]
+        kept, flops, _ = run(saved[i])
+        if kept <= budget or (kept <= top and budget_for is not None and kept <= budget_for(
+                tuple(candidates[j] for j in range(n) if i >> j & 1))):
+            found.append((flops, kept, i.bit_count(), i))
+    found.sort()
+
+    def tags(i: int) -> tuple[str, ...]:
+        return tuple(sorted(candidates[j] for j in range(n) if i >> j & 1))
+
+    # `_distinct` over the front of the list, built incrementally; ties in cost, bytes and
+    # size are ordered by tag names, as `_solve` orders them.
+    out: list[Choice] = []
+    start = 0
+    while start < len(found) and len(out) < keep:
+        end = start
+        while end < len(found) and found[end][:3] == found[start][:3]:
+            end += 1
+        tied = sorted((Choice(tags(i), k, float(f)) for f, k, _, i in found[start:end]),
+                      key=lambda c: c.tags)
+        for c in tied:
+            if not any(set(o.tags) <= set(c.tags) and o.recompute_flops <= c.recompute_flops
+                       for o in out):
+                out.append(c)
+                if len(out) == keep:
+                    break
+        start = end
+    return out
 
 
 def _distinct(choices: list[Choice], keep: int) -> list[Choice]:

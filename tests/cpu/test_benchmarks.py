@@ -84,6 +84,23 @@ def test_frontier_policies_are_measured(out):
     assert png.startswith(PNG_MAGIC) and len(png) > 10_000
 
 
+def test_frontier_fused_layer_is_planned_from_its_trace(out):
+    fr = load(out, "frontier")
+    fz = fr["fused"]
+    assert all(s["predicted_bytes"] == s["saved_bytes"] for s in fz["subsets"])
+    assert len(fz["subsets"]) == 256
+    for e in fz["budgets"]:
+        assert e["planner"]["saved_bytes"] <= e["budget_bytes"]
+        assert e["planner"]["overhead"] <= e["optimum"]["overhead"] + fr["tie"], e
+    regexes = {a["regex"]: a for a in fz["against_regexes"]}
+    assert set(regexes) == {"axlearn TRN2 regex", "axlearn default regex"}
+    for a in regexes.values():  # at each regex's own byte budget, no worse than it
+        assert a["planner_saved_bytes"] <= a["budget_bytes"]
+        assert a["planner_overhead"] <= a["regex_overhead"] + fr["tie"], a
+    assert [g["label"] for g in fz["groups"]] == ["q_proj+k_proj+v_proj: one fused matmul"]
+    assert fz["footprint_seconds"] > 0 and fz["plan_ms_median"] > 0
+
+
 def test_accuracy_ratios(out):
     acc = load(out, "accuracy")
     assert acc["subsets_bytes_ratio"]["max_abs_error"] == 0
@@ -125,6 +142,10 @@ def test_scaling_tables_and_exact_planner(out):
         assert r["max_relative_gap_to_brute_force"] <= 1e-9, r
     for value in sc["fits"].values():
         assert math.isfinite(value)
+    traced = {r["tags"]: r for r in sc["traced"]}
+    assert set(traced) == {9, 16}
+    assert all(r["footprint_s"] > 0 and r["plan_first_ms"] > 0 for r in traced.values())
+    assert len(traced[16]["groups"]) == 2  # each layer's fused q/k/v
 
 
 def test_gpu_script_skips_cleanly_without_a_gpu(out):
