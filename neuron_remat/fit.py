@@ -388,7 +388,7 @@ class _Search:
     def start(self, used: int) -> int:
         """Compile full remat and every useful tag saved; calibrate on them."""
         self._by = {c.saved: c for c in self.candidates}
-        for c in (self.candidates[-1], self.candidates[0]):
+        for c in (self._by[()], self.candidates[0]):
             if c.saved not in self.compiled and used < self.max_compiles:
                 self.compiled[c.saved] = self.measure(c, None)
                 used += 1
@@ -565,9 +565,14 @@ def _pool(graph: StepGraph, candidates: Iterable[str] | None) -> tuple[str, ...]
                              f"{list(graph.tags)}")
     else:
         chosen = list(graph.tags)
-    base = (graph.kept_bytes(()), graph.recompute_flops(()))
+    # Useful: saving it recomputes less, alone or beside every other tag (a tag may pay
+    # only with others).
+    base = graph.recompute_flops(())
+    everything = tuple(chosen)
+    most = graph.recompute_flops(everything)
     return tuple(t for t in dict.fromkeys(chosen)
-                 if (graph.kept_bytes((t,)), graph.recompute_flops((t,))) != base)
+                 if graph.recompute_flops((t,)) < base
+                 or most < graph.recompute_flops(tuple(o for o in everything if o != t)))
 
 
 def _no_fit(probes: Sequence[Probe], limit: int, hbm: int, held: int) -> str:
@@ -606,13 +611,14 @@ def _make_plan(graph: StepGraph, best: _Candidate | None, cands: Sequence[_Candi
         k1, f1 = graph.kept_bytes((t,)), graph.recompute_flops((t,))
         extra, gain = (k1 - base[0]) // layers, (base[1] - f1) / layers
         if t not in tags:
-            reason = ("saving it changes nothing" if (k1, f1) == base
+            reason = ("saving it saves no recompute" if f1 >= base[1]
                       else "not a candidate")
         elif t in saved:
             reason = "no remat" if best is None else "saved: least recompute that fits"
         else:
             reason = "a save set without it fits with less recompute, or with it none fits"
-        decisions.append(TagDecision(t, t in saved, max(extra, 0), float(gain), reason))
+        decisions.append(TagDecision(t, t in saved, max(extra, 0), max(float(gain), 0.0),
+                                     reason))
     fits = {p.saved for p in probes if p.bytes <= limit}
     over = {p.saved for p in probes if p.bytes > limit}
     runner = [Choice(c.saved, c.kept // layers, c.recompute / layers) for c in cands
@@ -664,7 +670,7 @@ def _analytic_fallback(graph: StepGraph, cands: Sequence[_Candidate], device: De
     model = _Model(float(fixed), 1.0, 0.0)
     best = next((c for c in cands if model.predict(c.kept, c.read) <= limit), None)
     if best is None:
-        nothing = cands[-1]
+        nothing = next(c for c in cands if not c.saved)
         raise NoFitError(
             f"{note}. Even full remat is predicted at "
             f"{fmt_bytes(model.predict(nothing.kept, nothing.read))}, over the "
