@@ -703,7 +703,8 @@ def fit_table(plan: Plan) -> str:
         f"{fmt_bytes(rec.hbm_bytes)} - reserve {fmt_bytes(rec.reserve_bytes)}), recompute "
         f"{100 * rec.overhead:.2f}% of the step, {rec.compiles} compiles")
     lines.append(
-        f"model: {fmt_bytes(rec.fixed_bytes)} fixed + kept residuals of {rec.layers} layers "
+        f"model: {rec.fixed_bytes / 2**20:.3f} MiB intercept + kept residuals of "
+        f"{rec.layers} layers "
         f"+ {rec.workspace_slope:.3g} x one layer's recomputed reads "
         f"(here {fmt_bytes(rec.workspace_bytes)}); largest miss "
         f"{fmt_bytes(rec.workspace_error_bytes)}")

@@ -60,8 +60,9 @@ class CompiledFit:
 
     The model: ``bytes(S) = fixed_bytes + kept(S) + workspace_slope x read(S)``, kept(S)
     the residuals of every layer, read(S) the bytes one layer's backward reads that S
-    recomputes (`workspace_bytes` for the choice); `fixed_bytes` holds the state and the
-    step's policy-independent temporaries. `workspace_error_bytes` is the model's largest
+    recomputes (`workspace_bytes` for the choice); `fixed_bytes` is the fitted intercept:
+    the state and the step's policy-independent temporaries, less what the slope's line
+    over-counts at read(S) = 0 (it can be negative). `workspace_error_bytes` is the model's largest
     miss on the compiles made (before the per-tag corrections). `measured` is False when
     the backend had no ``memory_analysis()`` and `bytes` is the uncalibrated model's."""
 
