@@ -2,7 +2,8 @@
 
 Runs, in one process, the frontier (`frontier.py`), the planner's accuracy on the same
 measurements (`accuracy.py`), the package's overheads (`overheads.py`), how planning and
-auditing scale (`scaling.py`) and, where a CUDA GPU is present, real peak memory
+auditing scale (`scaling.py`), `fit` against brute force on compiled steps
+(`fit_sweep.py`) and, where a CUDA GPU is present, real peak memory
 (`gpu_peak_memory.py`, skipped with a message otherwise). Each writes its JSON (and the
 frontier its PNG) under ``--out`` (default ``out/``); ``summary.json`` collects the headline
 figures and how long each part took.
@@ -62,6 +63,12 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
     if sc:
         out["scaling"] = sc["fits"]
         out["traced_speed"] = sc.get("traced")
+    fs = results.get("fit_sweep")
+    if fs:
+        out["fit_sweep"] = {"always_fits": fs["fit_always_fits"],
+                            "refuses_only_when_nothing_fits":
+                                fs["fit_refuses_only_when_nothing_fits"],
+                            "max_gap": fs["fit_max_gap"]}
     gpu = results.get("gpu_peak_memory")
     if gpu is not None:
         out["gpu_skipped"] = gpu.get("skipped", False)
@@ -71,9 +78,10 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = C.parser(__doc__.splitlines()[0], NAME)
     p.add_argument("--skip", default="", help="comma-separated parts to skip "
-                   "(frontier, accuracy, overheads, scaling, gpu_peak_memory)")
+                   "(frontier, accuracy, overheads, scaling, fit_sweep, gpu_peak_memory)")
     args = p.parse_args(argv)
     import accuracy  # noqa: PLC0415
+    import fit_sweep  # noqa: PLC0415
     import frontier  # noqa: PLC0415
     import gpu_peak_memory  # noqa: PLC0415
     import overheads  # noqa: PLC0415
@@ -90,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
              ("accuracy", lambda: accuracy.main(common, frontier=results.get("frontier"))),
              ("overheads", lambda: overheads.main(common)),
              ("scaling", lambda: scaling.main(common)),
+             ("fit_sweep", lambda: fit_sweep.main(common)),
              ("gpu_peak_memory", lambda: gpu_peak_memory.main(common))]
     for name, run in parts:
         if name in skip or (name == "accuracy" and "frontier" in skip):

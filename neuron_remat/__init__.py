@@ -25,7 +25,8 @@ from .models import (
     from_hf_config,
     get_model,
 )
-from .planner import NoFitError, Plan, plan
+from .planner import CompiledFit, NoFitError, Plan, Probe, plan
+from .fit import fit, fit_table
 from .multihost import PolicyMismatchError
 from .plugin import RematChoice, checkpoint, provide, resolve_policy
 from .policies import PRESETS, RegexPolicy, preset, save_and_offload_only_these_names_regex
@@ -34,10 +35,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AXLEARN_TAGS", "MAXTEXT_TAGS", "MODELS", "PRESETS", "AuditReport", "Budget",
-    "DeviceSpec", "Footprint", "NoFitError", "Parallelism", "Plan", "PolicyMismatchError",
-    "RegexPolicy",
-    "RematChoice", "StepShape", "TagCost", "TagNames", "TransformerConfig", "audit", "budget",
-    "checkpoint", "detect", "from_hf_config", "from_instance_type", "get_model",
-    "layer_footprint", "model_state_bytes", "parse_device", "plan", "preset", "provide",
-    "resolve_policy", "save_and_offload_only_these_names_regex", "traced_footprint",
+    "CompiledFit", "DeviceSpec", "Footprint", "NoFitError", "Parallelism", "Plan",
+    "PolicyMismatchError", "Probe", "RegexPolicy", "RematChoice", "StepShape", "TagCost",
+    "TagNames", "TransformerConfig", "audit", "budget", "checkpoint", "detect", "fit",
+    "fit_table", "from_hf_config", "from_instance_type", "get_model", "layer_footprint",
+    "model_state_bytes", "parse_device", "plan", "preset", "provide", "resolve_policy",
+    "save_and_offload_only_these_names_regex", "traced_footprint",
 ]

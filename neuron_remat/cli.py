@@ -357,6 +357,48 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     return 2 if (args.strict and report.dead_patterns) else 0
 
 
+def _cmd_fit(args: argparse.Namespace) -> int:
+    from .fit import fit, fit_table  # noqa: PLC0415 - traces and compiles: load when asked
+
+    make_step, fargs = _load_factory(args.target)
+    device, note = _device_for_plan(args.device)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    reserve: float | int | None = None
+    if args.reserve is not None:
+        try:
+            reserve = float(args.reserve)
+        except ValueError:
+            reserve = dev.parse_bytes(args.reserve, what="--reserve")
+        else:
+            if not 0 <= reserve < 1:
+                raise ValueError(f"--reserve {args.reserve}: give a fraction of HBM below 1 "
+                                 "(0.1) or a size with a unit (2GiB)")
+    options: dict[str, Any] = {"progress": lambda line: print(line, file=sys.stderr,
+                                                               flush=True)}
+    if args.candidates:
+        options["candidates"] = args.candidates.split(",")
+    if args.max_compiles is not None:
+        options["max_compiles"] = args.max_compiles
+    try:
+        chosen = fit(make_step, *fargs, device=device, reserve=reserve, **options)
+    except planner.NoFitError as err:
+        if args.json:
+            _print_json({"error": str(err)})
+        else:
+            print(f"error: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        out = chosen.to_dict()
+        if note:
+            out["note"] = note
+        _print_json(out)
+    else:
+        print(f"{args.target} on {device.describe()}")
+        print(fit_table(chosen))
+    return 0
+
+
 def _cmd_presets(args: argparse.Namespace) -> int:
     rows = [{"name": p.name, "save": list(p.policy.save), "offload": list(p.policy.offload),
              "reason": p.reason} for p in policies.PRESETS.values()]
@@ -462,6 +504,20 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--strict", action="store_true", help="exit 2 on dead patterns")
     a.add_argument("--json", action="store_true", help="print JSON")
     a.set_defaults(run=_cmd_audit)
+
+    ft = sub.add_parser("fit", help="plan against the compiled training step")
+    ft.add_argument("target", help="MODULE:FUNCTION, a zero-argument factory returning "
+                                   "(make_step, args): make_step(policy) builds the step")
+    ft.add_argument("--device", default="auto",
+                    help="as for 'plan' (default auto: detected if Neuron, else a simulated "
+                         "trn2.48xlarge)")
+    ft.add_argument("--reserve", help="HBM held back: a fraction (0.1) or a size (2GiB); "
+                                      "default: the Neuron runtime's share only")
+    ft.add_argument("--candidates", help="comma-separated tags to consider")
+    ft.add_argument("--max-compiles", type=int, help="compile budget (default 6 up to 8 "
+                                                     "tags)")
+    ft.add_argument("--json", action="store_true", help="print JSON")
+    ft.set_defaults(run=_cmd_fit)
 
     pr = sub.add_parser("presets", help="list the named policies")
     pr.add_argument("--json", action="store_true", help="print JSON")

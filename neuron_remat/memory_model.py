@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from .device import GiB, DeviceSpec
@@ -55,6 +56,7 @@ __all__ = [
     "LayerGraph",
     "ModelState",
     "TagCost",
+    "backward_working_set",
     "budget",
     "korthikanti_terms",
     "layer_footprint",
@@ -332,9 +334,11 @@ class Budget:
     """HBM per core, and what is left for each layer's kept activations.
 
     ``per_layer_bytes = (hbm - state - reserve - workspace) / (layers_per_core x inflight)``
-    where `workspace` is what is live only once: one layer's backward working set (its
-    recomputed activations, ``seq x seq`` probabilities without flash attention) or the
-    float32 logits and their gradient, whichever is larger.
+    where `workspace` is what is live only once: one layer's backward working set or the
+    float32 logits and their gradient, whichever is larger. The working set depends on
+    the policy (`backward_working_set`: more when little is saved); `workspace_bytes` is
+    full remat's, the largest, and `per_layer_bytes_for(roles)` what a layer may keep
+    under a policy saving `roles`, with that policy's own workspace.
     """
 
     hbm_bytes: int
@@ -343,6 +347,8 @@ class Budget:
     workspace_bytes: int
     layers_per_core: int
     inflight: int
+    head_bytes: int = 0
+    graph: LayerGraph | None = field(default=None, repr=False, compare=False)
 
     @property
     def available_bytes(self) -> int:
@@ -351,6 +357,31 @@ class Budget:
     @property
     def per_layer_bytes(self) -> int:
         return self.available_bytes // (self.layers_per_core * self.inflight)
+
+    def workspace_for(self, roles: Iterable[str]) -> int:
+        """The workspace under a policy saving the tags of `roles`."""
+        if self.graph is None:
+            return self.workspace_bytes
+        return max(backward_working_set(self.graph, roles), self.head_bytes)
+
+    def per_layer_bytes_for(self, roles: Iterable[str]) -> int:
+        """What each layer may keep under a policy saving `roles` (its own workspace)."""
+        free = self.hbm_bytes - self.state.total_bytes - self.reserve_bytes
+        return (free - self.workspace_for(roles)) // (self.layers_per_core * self.inflight)
+
+
+def backward_working_set(graph: LayerGraph, roles: Iterable[str]) -> int:
+    """One layer's backward working set under a names policy saving `roles`: the values its
+    backward reads that the policy recomputes, the untagged intermediates of the ops it
+    recomputes (`Op.internal`: softmax and norm temporaries), and the layer's largest
+    value (the gradient being formed). Saving a tag the backward reads shrinks it; with
+    no remat nothing is recomputed."""
+    ev = graph.evaluate_roles(roles)
+    held = set(ev.kept) | set(graph.inputs) | set(graph.params)
+    read = sum(graph.values[v].bytes for v in graph.needed() if v not in held)
+    redone = set(ev.recomputed)
+    internal = sum(b for op in graph.ops if op.name in redone for _, b in op.internal)
+    return read + internal + max(v.bytes for v in graph.values.values())
 
 
 def reserve_bytes(device: DeviceSpec, reserve: float | int | None = None) -> int:
@@ -386,16 +417,24 @@ def budget(device: DeviceSpec, config: TransformerConfig, shape: StepShape,
     par.check(config, shape)
     state = model_state_bytes(config, shape, par)
     graph = layer_graph(config, shape, par)
-    workspace = max(graph.no_remat_bytes(), head_bytes(config, shape, par))
+    head = head_bytes(config, shape, par)
     if config.moe is not None or config.mla is not None:
         from . import moe  # noqa: PLC0415
 
-        workspace = max([head_bytes(config, shape, par)] + [
+        # MoE and MLA layers keep the no-remat working set of their heaviest layer kind,
+        # plus the expert all-to-all buffers, whatever is saved (conservative).
+        workspace = max([head] + [
             g.no_remat_bytes() for g in moe.layer_graphs(config, shape, par).values()]) + \
             moe.all_to_all_bytes(config, shape, par)
+        return Budget(hbm_bytes=device.hbm_bytes_per_core, state=state,
+                      reserve_bytes=reserve_bytes(device, reserve), workspace_bytes=workspace,
+                      layers_per_core=config.layers // par.pp, inflight=par.inflight,
+                      head_bytes=head)
+    workspace = max(backward_working_set(graph, ()), head)
     return Budget(hbm_bytes=device.hbm_bytes_per_core, state=state,
                   reserve_bytes=reserve_bytes(device, reserve), workspace_bytes=workspace,
-                  layers_per_core=config.layers // par.pp, inflight=par.inflight)
+                  layers_per_core=config.layers // par.pp, inflight=par.inflight,
+                  head_bytes=head, graph=graph)
 
 
 # --------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import itertools
 import logging
 import math
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +18,8 @@ from ._format import fmt_bytes, grid
 from .device import DeviceSpec
 from .policies import RegexPolicy
 
-__all__ = ["Choice", "GroupDecision", "NoFitError", "Plan", "TagDecision", "dead_patterns", "plan",
-           "refuse_dead_patterns"]
+__all__ = ["Choice", "CompiledFit", "GroupDecision", "NoFitError", "Plan", "Probe",
+           "TagDecision", "dead_patterns", "plan", "refuse_dead_patterns"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +32,61 @@ layer."""
 
 class NoFitError(ValueError):
     """Even full recompute does not fit the budget."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One compile of the training step (`fit`): what XLA allocated and computed.
+
+    `bytes` is ``argument + output + temp - alias`` from ``memory_analysis()``; `saved` is
+    None for no remat. `predicted_bytes` is what the fitted model said before this compile
+    (None for the probes it was fitted on)."""
+
+    label: str
+    saved: tuple[str, ...] | None
+    bytes: int
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    flops: float
+    seconds: float
+    predicted_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class CompiledFit:
+    """What `fit` learned from compiling the step, and the confirmed choice.
+
+    The model: ``bytes(S) = fixed_bytes + kept(S) + workspace_slope x read(S)``, kept(S)
+    the residuals of every layer, read(S) the bytes one layer's backward reads that S
+    recomputes (`workspace_bytes` for the choice); `fixed_bytes` is the fitted intercept:
+    the state and the step's policy-independent temporaries, less what the slope's line
+    over-counts at read(S) = 0 (it can be negative). `workspace_error_bytes` is the model's largest
+    miss on the compiles made (before the per-tag corrections). `measured` is False when
+    the backend had no ``memory_analysis()`` and `bytes` is the uncalibrated model's."""
+
+    hbm_bytes: int
+    reserve_bytes: int
+    limit_bytes: int
+    bytes: int
+    flops: float
+    no_remat: bool
+    compiles: int
+    probes: tuple[Probe, ...]
+    fixed_bytes: int
+    workspace_slope: float
+    workspace_bytes: int
+    workspace_error_bytes: int
+    layers: int
+    step_flops: float
+    recompute_flops: float
+    measured: bool = True
+
+    @property
+    def overhead(self) -> float:
+        """Recompute as a fraction of the step without remat (every layer counted)."""
+        return self.recompute_flops / self.step_flops if self.step_flops else float("nan")
 
 
 @dataclass(frozen=True)
@@ -99,6 +154,7 @@ class Plan:
     no_remat_bytes_per_layer: int = 0
     notes: tuple[str, ...] = ()
     groups: tuple[GroupDecision, ...] = ()
+    compiled: CompiledFit | None = None  # set by `fit`: the compiled step's figures
 
     @property
     def headroom_bytes(self) -> int:
@@ -117,7 +173,18 @@ class Plan:
         included)."""
         if self.budget is None:
             return self.activation_bytes
-        return self.budget.state.total_bytes + self.activation_bytes + self.budget.workspace_bytes
+        return self.budget.state.total_bytes + self.activation_bytes + self.workspace_bytes
+
+    @property
+    def workspace_bytes(self) -> int:
+        """The workspace of this plan's policy (`Budget.workspace_for`); 0 without a
+        budget."""
+        if self.budget is None:
+            return 0
+        if self.config is None:
+            return self.budget.workspace_bytes
+        roles = [r for r in self.config.roles if self.config.tag(r) in self.saved_tags]
+        return self.budget.workspace_for(roles)
 
     @property
     def recompute_flops(self) -> float:
@@ -151,6 +218,9 @@ class Plan:
             "runner_ups": [dataclasses.asdict(c) for c in self.runner_ups],
             "notes": list(self.notes),
         }
+        if self.compiled is not None:
+            out["compiled"] = dataclasses.asdict(self.compiled)
+            out["compiled"]["overhead"] = self.compiled.overhead
         if self.device is not None:
             out["device"] = self.device.to_dict()
         if self.budget is not None:
@@ -160,7 +230,7 @@ class Plan:
                              "grads_bytes": b.state.grads_bytes,
                              "optimizer_bytes": b.state.optimizer_bytes,
                              "reserve_bytes": b.reserve_bytes,
-                             "workspace_bytes": b.workspace_bytes,
+                             "workspace_bytes": self.workspace_bytes,
                              "available_bytes": b.available_bytes}
         if self.config is not None:
             out["model"] = self.config.name
@@ -185,7 +255,7 @@ class Plan:
             lines.append(
                 f"per core: HBM {fmt_bytes(b.hbm_bytes)} = state {fmt_bytes(b.state.total_bytes)}"
                 f" + reserve {fmt_bytes(b.reserve_bytes)} + workspace "
-                f"{fmt_bytes(b.workspace_bytes)} + activations "
+                f"{fmt_bytes(self.workspace_bytes)} + activations "
                 f"{fmt_bytes(self.activation_bytes)} + free {fmt_bytes(self.headroom_bytes)}")
         lines.append(
             f"per layer: keeps {fmt_bytes(self.kept_bytes_per_layer)} of "
@@ -203,19 +273,22 @@ class Plan:
 
 
 def _solve(footprint: mm.Footprint, candidates: Sequence[str], budget: int,
-           keep: int = 4) -> list[Choice]:
+           keep: int = 4, budget_for: Callable[[tuple[str, ...]], int] | None = None
+           ) -> list[Choice]:
     """The `keep` best feasible save sets (least recompute, then fewest bytes, then names),
     exactly: every subset is evaluated jointly on the footprint's graph when it has one
     (`_solve_joint`, up to `MAX_JOINT_TAGS` candidates), or when an additive footprint is
-    small (2**8); otherwise a branch and bound over the additive per-tag costs."""
+    small (2**8); otherwise a branch and bound over the additive per-tag costs.
+    `budget_for(subset)`, when given, is each enumerated subset's own budget (its policy's
+    workspace; never below `budget`); the branch and bound keeps the single `budget`."""
     if footprint.graph is not None:
-        return _solve_joint(footprint, candidates, budget, keep)
+        return _solve_joint(footprint, candidates, budget, keep, budget_for)
     if len(candidates) <= 8:
         found = []
         for r in range(len(candidates) + 1):
             for subset in itertools.combinations(candidates, r):
                 kept, flops = footprint.evaluate(subset)
-                if kept <= budget:
+                if kept <= (budget if budget_for is None else budget_for(subset)):
                     found.append(Choice(tuple(sorted(subset)), kept, flops))
         found.sort(key=lambda c: (c.recompute_flops, c.kept_bytes, len(c.tags), c.tags))
         return _distinct(found, keep)
@@ -227,7 +300,8 @@ MAX_JOINT_TAGS = 20
 
 
 def _solve_joint(footprint: mm.Footprint, candidates: Sequence[str], budget: int,
-                 keep: int) -> list[Choice]:
+                 keep: int, budget_for: Callable[[tuple[str, ...]], int] | None = None
+                 ) -> list[Choice]:
     """`_solve` on a footprint with a graph: every tag set is evaluated jointly (the
     graph's bitmask evaluation, one union per tag set built from a smaller one)."""
     n = len(candidates)
@@ -241,12 +315,16 @@ def _solve_joint(footprint: mm.Footprint, candidates: Sequence[str], budget: int
     saved = [0] * (1 << n)
     found = []
     run = closures.run
+    # A policy's own budget is never below `budget` (full remat's workspace is the
+    # largest) nor above saving every candidate's.
+    top = budget if budget_for is None else max(budget, budget_for(tuple(candidates)))
     for i in range(1 << n):
         if i:
             low = i & -i
             saved[i] = saved[i ^ low] | bits[low.bit_length() - 1]
         kept, flops, _ = run(saved[i])
-        if kept <= budget:
+        if kept <= budget or (kept <= top and budget_for is not None and kept <= budget_for(
+                tuple(candidates[j] for j in range(n) if i >> j & 1))):
             found.append((flops, kept, i.bit_count(), i))
     found.sort()
 
@@ -404,11 +482,17 @@ def plan(
         if t not in pool and t not in always:
             decisions[t] = "not a candidate"
     usable.sort()
-    choices = _solve(fp, usable, per_layer, keep=1 + runner_ups)
+    budget_for: Callable[[tuple[str, ...]], int] | None = None
+    if bud is not None and bud.graph is not None and budget_bytes is None:
+        budget_for = _own_workspace(bud, getattr(fp, "roles", {}))
+
+    choices = _solve(fp, usable, per_layer, keep=1 + runner_ups, budget_for=budget_for)
     if not choices:
         full_kept, _ = fp.evaluate(())
         raise NoFitError(_no_fit_message(full_kept, per_layer, bud, config, shape, par))
     best = choices[0]
+    if budget_for is not None:
+        per_layer = budget_for(best.tags)
     saved_groups = [g for g in paying if set(g.tags) <= set(best.tags)]
     for t in usable:
         cost = fp[t]
@@ -466,6 +550,12 @@ def refuse_dead_patterns(policy: RegexPolicy, names: Iterable[str], *,
     dead = dead_patterns(policy, emitted)
     if dead:
         raise ValueError(f"patterns {dead} match none of the tags {host} emits ({emitted})")
+
+
+def _own_workspace(bud: mm.Budget, roles: Mapping[str, str]
+                   ) -> Callable[[tuple[str, ...]], int]:
+    """Per-layer budget of a save set with its own policy's workspace."""
+    return lambda subset: bud.per_layer_bytes_for(roles.get(t, t) for t in subset)
 
 
 def _as_footprint(mapping: Mapping[str, Any]) -> mm.Footprint:
