@@ -209,6 +209,15 @@ def _check_plot_path(path: str) -> None:
         raise UsageError(f"--plot {path!r}: folder {folder!r} is not writable")
 
 
+def _no_fit(err: planner.NoFitError, as_json: bool) -> int:
+    """Report that nothing fits (exit 1: the input was valid, the answer is no)."""
+    if as_json:
+        _print_json({"error": str(err)})
+    else:
+        print(f"error: {err}", file=sys.stderr)
+    return 1
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     if args.plot:
         _check_plot_path(args.plot)
@@ -216,11 +225,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     try:
         chosen = planner.plan(device, config, shape, par, candidates, reserve=reserve)
     except planner.NoFitError as err:
-        if args.json:
-            _print_json({"error": str(err)})
-        else:
-            print(f"error: {err}", file=sys.stderr)
-        return 1
+        return _no_fit(err, args.json)
     if args.json:
         out = chosen.to_dict()
         if note:
@@ -383,11 +388,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     try:
         chosen = fit(make_step, *fargs, device=device, reserve=reserve, **options)
     except planner.NoFitError as err:
-        if args.json:
-            _print_json({"error": str(err)})
-        else:
-            print(f"error: {err}", file=sys.stderr)
-        return 1
+        return _no_fit(err, args.json)
     if args.json:
         out = chosen.to_dict()
         if note:
