@@ -369,20 +369,11 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     device, note = _device_for_plan(args.device)
     if note:
         print(f"note: {note}", file=sys.stderr)
-    reserve: float | int | None = None
-    if args.reserve is not None:
-        try:
-            reserve = float(args.reserve)
-        except ValueError:
-            reserve = dev.parse_bytes(args.reserve, what="--reserve")
-        else:
-            if not 0 <= reserve < 1:
-                raise ValueError(f"--reserve {args.reserve}: give a fraction of HBM below 1 "
-                                 "(0.1) or a size with a unit (2GiB)")
+    reserve: float | int | None = args.reserve
     options: dict[str, Any] = {"progress": lambda line: print(line, file=sys.stderr,
                                                                flush=True)}
     if args.candidates:
-        options["candidates"] = args.candidates.split(",")
+        options["candidates"] = args.candidates
     if args.max_compiles is not None:
         options["max_compiles"] = args.max_compiles
     try:
@@ -512,11 +503,12 @@ def _parser() -> argparse.ArgumentParser:
     ft.add_argument("--device", default="auto",
                     help="as for 'plan' (default auto: detected if Neuron, else a simulated "
                          "trn2.48xlarge)")
-    ft.add_argument("--reserve", help="HBM held back: a fraction (0.1) or a size (2GiB); "
-                                      "default: the Neuron runtime's share only")
-    ft.add_argument("--candidates", help="comma-separated tags to consider")
-    ft.add_argument("--max-compiles", type=int, help="compile budget (default 6 up to 8 "
-                                                     "tags)")
+    ft.add_argument("--reserve", type=_reserve,
+                    help="HBM held back: a fraction (0.1) or a size (2GiB); default: the "
+                         "Neuron runtime's share only")
+    ft.add_argument("--candidates", type=_candidates, help="comma-separated tags to consider")
+    ft.add_argument("--max-compiles", type=_count(3, what="a compile budget"),
+                    help="compile budget (default 6 up to 8 tags; at least 3)")
     ft.add_argument("--json", action="store_true", help="print JSON")
     ft.set_defaults(run=_cmd_fit)
 
