@@ -44,6 +44,7 @@ it looked for.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -200,8 +201,15 @@ class StepGraph:
 
 
 def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
-    """Trace ``make_step(save nothing)`` on `args` (no compile) and read its layers."""
-    closed = jax.make_jaxpr(_jitted(make_step(save_only_these_names())))(*args)
+    """Trace ``make_step(save nothing)`` on `args` (no compile) and read its layers.
+
+    The trace uses JAX's original remat implementation even when ``jax_remat3`` is on: its
+    backward keeps each layer in a ``remat2`` equation whose recomputation carries the
+    tags, while remat3 inlines the layer and drops them. A `RegexPolicy` makes the same
+    decisions under both, so the graph is the same; the probes compile under the
+    implementation the host really runs."""
+    with _original_remat():
+        closed = jax.make_jaxpr(_jitted(make_step(save_only_these_names())))(*args)
     layers = [_layer_backward(body, m) for body, m in _remat_bodies(closed.jaxpr)]
     if not layers:
         raise ValueError(
@@ -218,6 +226,14 @@ def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
     no_remat = jax.make_jaxpr(_jitted(make_step(
         jax.checkpoint_policies.everything_saveable)))(*args)
     return StepGraph(tuple(layers), tuple(tags), _trace.jaxpr_cost(no_remat.jaxpr).flops)
+
+
+def _original_remat() -> Any:
+    """A context with ``jax_remat3`` off (a no-op on JAX versions without the flag)."""
+    from jax._src import config as jax_config  # noqa: PLC0415
+
+    state = getattr(jax_config, "remat3", None)
+    return state(False) if state is not None else contextlib.nullcontext()
 
 
 def _jitted(step: Any) -> Any:

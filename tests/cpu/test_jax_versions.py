@@ -242,3 +242,26 @@ def test_everything_imported_from_jax_exists():
                     if alias.name.split(".")[0] == "jax":
                         importlib.import_module(alias.name)
     assert missing == [], f"JAX {jax.__version__}"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fit_chooses_the_same_set(impl, monkeypatch):
+    # fit reads the step's layers from a trace under JAX's original remat (remat3 inlines the
+    # layer's backward and drops its tags) and compiles its probes under the implementation
+    # the host runs: the same set on every JAX and remat implementation.
+    import sys
+
+    root = str(pathlib.Path(__file__).resolve().parents[2])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from examples import fit_demo
+
+    import neuron_remat as nr
+
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2.48xlarge:hbm=60MiB:cores=1")
+    make_step, args = fit_demo.small_factory()
+    with remat(impl):
+        chosen = nr.fit(make_step, *args, reserve=0)
+    assert chosen.saved_tags == ("q_proj", "k_proj", "context", "o_proj", "linear1_0",
+                                 "linear1_1")
+    assert chosen.compiled.bytes <= chosen.compiled.limit_bytes == 60 << 20
