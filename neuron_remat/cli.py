@@ -209,6 +209,15 @@ def _check_plot_path(path: str) -> None:
         raise UsageError(f"--plot {path!r}: folder {folder!r} is not writable")
 
 
+def _print_plan_json(chosen: planner.Plan, note: str | None, **extra: Any) -> None:
+    """A plan as JSON, with the device note and any command-specific fields."""
+    out = chosen.to_dict()
+    if note:
+        out["note"] = note
+    out.update(extra)
+    _print_json(out)
+
+
 def _no_fit(err: planner.NoFitError, as_json: bool) -> int:
     """Report that nothing fits (exit 1: the input was valid, the answer is no)."""
     if as_json:
@@ -227,11 +236,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except planner.NoFitError as err:
         return _no_fit(err, args.json)
     if args.json:
-        out = chosen.to_dict()
-        if note:
-            out["note"] = note
-        out["maxtext_overrides"] = _maxtext(chosen)
-        _print_json(out)
+        _print_plan_json(chosen, note, maxtext_overrides=_maxtext(chosen))
     else:
         if note:
             print(f"note: {note}")
@@ -381,10 +386,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     except planner.NoFitError as err:
         return _no_fit(err, args.json)
     if args.json:
-        out = chosen.to_dict()
-        if note:
-            out["note"] = note
-        _print_json(out)
+        _print_plan_json(chosen, note)
     else:
         print(f"{args.target} on {device.describe()}")
         print(fit_table(chosen))
