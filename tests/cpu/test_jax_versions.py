@@ -25,11 +25,9 @@ from neuron_remat import policies as pol
 from neuron_remat import reference as ref
 from neuron_remat.audit import audit
 
-CFG = models.TransformerConfig(hidden=32, heads=4, kv_heads=2, ffn=64, layers=2, vocab=50,
-                               name="test-layer")
+from small_layer import NAMES, layer, make_args  # noqa: E402
 STACK = models.TransformerConfig(hidden=128, heads=8, kv_heads=2, ffn=256, layers=4,
                                  vocab=512, name="test-stack")
-NAMES = ref.tag_names(CFG)
 TRN2_SAVED = {NAMES[r]: b for r, b in (("q_proj", 2048), ("k_proj", 1024), ("v_proj", 1024),
                                        ("linear1_0", 4096), ("linear1_1", 4096))}
 HAS_REMAT3 = hasattr(jax.config, "jax_remat3")
@@ -61,13 +59,7 @@ def _fresh_warnings():
 
 @pytest.fixture(scope="module")
 def layer_args():
-    params = ref.init_layer(jax.random.PRNGKey(0), CFG)
-    x = jax.random.normal(jax.random.PRNGKey(1), (2, 8, CFG.hidden))
-    return x, params
-
-
-def layer(x, params):
-    return ref.layer(x, params, CFG)
+    return make_args()
 
 
 def _tags_kept(fn, args):

@@ -15,28 +15,17 @@ from jax.ad_checkpoint import Offloadable, Recompute, Saveable, checkpoint_polic
 from jax.extend.core import Primitive
 
 from neuron_remat.audit import DeadPatternError, audit
-from neuron_remat import models
 from neuron_remat import policies as pol
 from neuron_remat import reference as ref
 from neuron_remat.cli import main
 
-# A small layer of the shape the presets are for: GQA (8 query heads over 2 KV heads), a
-# gated feed-forward, axlearn-style tags (MultiheadAttention.q_proj, ...,
-# TransformerFeedForwardLayer.linear1_0, ...).
-CFG = models.TransformerConfig(hidden=32, heads=4, kv_heads=2, ffn=64, layers=2, vocab=50,
-                           name="test-layer")
-NAMES = ref.tag_names(CFG)
+# A small layer of the shape the presets are for (shared with test_jax_versions.py).
+from small_layer import CFG, NAMES, layer, make_args  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def layer_args():
-    params = ref.init_layer(jax.random.PRNGKey(0), CFG)
-    x = jax.random.normal(jax.random.PRNGKey(1), (2, 8, CFG.hidden))
-    return x, params
-
-
-def layer(x, params):
-    return ref.layer(x, params, CFG)
+    return make_args()
 
 
 # --- the policy object -----------------------------------------------------------------
