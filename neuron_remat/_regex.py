@@ -41,6 +41,17 @@ _BACKTRACKING = {getattr(_sre_c, n) for n in (
     if hasattr(_sre_c, n)}
 
 
+_TYPE_FLAGS = re.ASCII | re.LOCALE | re.UNICODE
+
+
+def _combine_flags(flags: int, add: int, remove: int) -> int:
+    """The flags in force inside a scoped ``(?add-remove:...)`` group, as re's compiler
+    combines them: a character-type flag added (``a``, ``u``) replaces the one in force."""
+    if add & _TYPE_FLAGS:
+        flags &= ~_TYPE_FLAGS
+    return (flags | add) & ~remove
+
+
 class PatternError(ValueError):
     """A pattern that is invalid, too large, or could take exponential time."""
 
@@ -110,7 +121,7 @@ class _Program:
             return [(self.emit("at", self.test(node, flags), None), 2)]
         if op is _sre_c.SUBPATTERN:
             _group, add, remove, sub = av
-            return self.sequence(sub, (flags | add) & ~remove)
+            return self.sequence(sub, _combine_flags(flags, add, remove))
         if op is _sre_c.BRANCH:
             holes: list[tuple[int, int]] = []
             alternatives = av[1]
@@ -124,6 +135,8 @@ class _Program:
             return holes
         if op in _REPEAT:
             lo, hi, sub = av
+            if hi is not _sre_c.MAXREPEAT and hi == 0:  # x{0}: matches the empty string
+                return self.sequence([], flags)
             holes = []
             for _ in range(lo):
                 start = len(self.code)
