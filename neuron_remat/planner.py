@@ -445,6 +445,7 @@ def plan(
         # Plan in the names the host emits on this device (axlearn on Neuron: no
         # flash-attention tag, so attention is recomputed under any names policy).
         config = dataclasses.replace(config, tags=models.host_tags(config.tags, device))
+        notes.extend(models.shape_notes(config, shape))
         par = (parallelism or models.Parallelism()).resolve(device)
         bud = mm.budget(device, config, shape, par, reserve=reserve)
         fp = mm.layer_footprint(config, shape, par)
@@ -598,6 +599,10 @@ def _check_plan_numbers(budget_bytes: Any, min_flops_per_byte: Any, runner_ups: 
 
 def _check_footprint(fp: Mapping[str, Any]) -> None:
     """Every tag's cost: whole bytes >= 0 and finite recompute FLOPs >= 0."""
+    full = getattr(fp, "full_recompute_flops", None)
+    if full is not None and not (_is_real(full) and math.isfinite(full) and full >= 0):
+        raise ValueError(f"plan: footprint.full_recompute_flops={full!r:.60} is not valid; "
+                         "valid: a finite number of FLOPs >= 0")
     for name in fp:
         cost = fp[name]
         if not isinstance(name, str):
