@@ -1058,7 +1058,7 @@ def _from_hf_config(cfg: Mapping[str, Any], name: str | None, source: str, text_
         qkv_bias=f.bool("attention_bias", family.get("qkv_bias", False)),
         qk_norm=family.get("qk_norm", False),
         sandwich_norm=family.get("sandwich_norm", False),
-        **_hf_positions(f, layers),
+        **_hf_positions(f, layers, model_type),
     )
     if mla is not None:
         kw["head_dim"] = None  # MLA's per-head q/k width is nope + rope
@@ -1079,7 +1079,7 @@ def _warn_once_per_type(model_type: str, source: str) -> None:
                    model_type or "(none)", ", ".join(_FAMILIES))
 
 
-def _hf_positions(f: _Fields, layers: int) -> dict[str, Any]:
+def _hf_positions(f: _Fields, layers: int, model_type: str) -> dict[str, Any]:
     """max_position_embeddings, and the sliding window where the config turns it on
     (Qwen's ``use_sliding_window``; Gemma's and Qwen2-MoE's ``layer_types``)."""
     out: dict[str, Any] = {"max_positions": f.int("max_position_embeddings", None)}
@@ -1090,6 +1090,10 @@ def _hf_positions(f: _Fields, layers: int) -> dict[str, Any]:
         if isinstance(kinds, list) and all(isinstance(k, str) for k in kinds):
             count = sum(k == "sliding_attention" for k in kinds)
             window = window if count else None
+        elif model_type == "gemma2":  # transformers' default: every other layer, from 0
+            count = (layers + 1) // 2
+        elif model_type == "gemma3_text":  # all but every `sliding_window_pattern`-th
+            count = layers - layers // f.int("sliding_window_pattern", 6)
         out.update(sliding_window=window, sliding_layers=count if window else None)
     return out
 

@@ -201,6 +201,10 @@ def agree(policy: Any, prevent_cse: bool | None, *, what: str,
         timeout_s: how long to wait for the others (default: the
             ``NEURON_REMAT_AGREEMENT_TIMEOUT`` variable, else 300 s).
     """
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(
+            timeout_s, (int, float)) or not 0 < timeout_s <= 86400):  # NaN fails too
+        raise ValueError(f"agree: timeout_s={timeout_s!r:.40} is not a timeout; valid: "
+                         "seconds above 0 and at most 86400")
     dist = _distributed()
     if dist is None:
         return
