@@ -576,14 +576,15 @@ def _parse_core_list(raw: str, total: int | None = None) -> tuple[int, int]:
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         if hi < lo:
             raise ValueError(f"{name}={_show(raw)}: range {piece!r} runs backwards; "
-                             f"write '{hi}-{lo}'")
+                             f"valid: '{hi}-{lo}' (low to high)")
         if hi >= limit:
             raise ValueError(f"{name}={_show(raw)} names core {hi} but {scope}")
         spans.append((lo, hi))
     spans.sort()
     for (_, hi_a), (lo_b, _) in zip(spans, spans[1:]):
         if lo_b <= hi_a:
-            raise ValueError(f"{name}={_show(raw)} names core {lo_b} twice")
+            raise ValueError(f"{name}={_show(raw)} names core {lo_b} twice; valid: each "
+                             "core once, e.g. '0-3' or '0,2,4-7'")
     return sum(hi - lo + 1 for lo, hi in spans), spans[-1][1]
 
 
