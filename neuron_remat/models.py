@@ -334,6 +334,11 @@ class TransformerConfig:
     sliding_layers: int | None = None  # how many layers use it (None: all of them)
 
     def __post_init__(self) -> None:
+        _positive(f"model {self.name!r}", hidden=self.hidden, heads=self.heads)
+        for key in ("kv_heads", "head_dim", "max_positions", "sliding_window",
+                    "sliding_layers"):
+            if getattr(self, key) is not None:
+                _positive(f"model {self.name!r}", **{key: getattr(self, key)})
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
         if self.head_dim is None and self.mla is not None:

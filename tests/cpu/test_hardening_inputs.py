@@ -204,3 +204,33 @@ def test_the_simulated_auto_device_honours_the_variables_too(monkeypatch, capsys
     monkeypatch.setenv("NEURON_RT_NUM_CORES", "0")
     assert main(["plan", "--model", "llama3-8b"]) == 2
     assert "NEURON_RT_NUM_CORES" in capsys.readouterr().err
+
+
+# --- a model's own numbers ----------------------------------------------------------------
+
+CONFIG_FIELDS = ["hidden", "heads", "ffn", "layers", "vocab", "kv_heads", "head_dim",
+                 "max_positions", "sliding_window", "sliding_layers"]
+ANY_VALUE = st.one_of(st.integers(-3, 70), st.floats(allow_nan=True, allow_infinity=True),
+                      st.booleans(), st.text(max_size=3), st.none())
+
+
+@settings(max_examples=300, **SETTINGS)
+@given(key=st.sampled_from(CONFIG_FIELDS), value=ANY_VALUE)
+@example(key="hidden", value="3")
+@example(key="max_positions", value=math.nan)
+def test_a_config_field_is_a_positive_integer_or_refused_in_one_line(key, value):
+    base = dict(hidden=64, heads=8, ffn=128, layers=2, vocab=100)
+    optional = key not in base
+    valid = (isinstance(value, int) and not isinstance(value, bool) and value >= 1) or (
+        optional and value is None)
+    try:
+        cfg = nr.TransformerConfig(**{**base, key: value})
+    except (ValueError, TypeError) as err:
+        text = one_line(err)
+        if valid:  # a valid value refused only for a stated reason of consistency
+            assert "divisible" in text or "heads" in text, text
+        else:
+            assert key in text and "positive integer" in text, text
+        return
+    assert valid, (key, value)
+    assert cfg.param_count() > 0
