@@ -10,8 +10,12 @@ devices and no collectives, so it works on CPU hosts too), reads the others' und
 timeout, and raises `PolicyMismatchError` naming the processes that differ.
 
 This is a correctness error: it is raised whether or not ``NEURON_REMAT_STRICT`` is set.
-A process that does not publish within ``NEURON_REMAT_AGREEMENT_TIMEOUT`` seconds
-(default 300) is an error too, rather than a hang.
+A disagreement is reported as soon as every process has published: a different policy at
+once, a different question (another layer, or the same layer with another shape, so the
+other process never publishes the key this one waits for) once both have waited on each
+other for `STABLE_S` (read from each process's log of what it published). Only a process
+that publishes nothing within ``NEURON_REMAT_AGREEMENT_TIMEOUT`` seconds (default 300) is
+reported as silent, an error rather than a hang.
 
 In a single process, or before ``jax.distributed.initialize()``, nothing is exchanged
 and no JAX backend is started.
