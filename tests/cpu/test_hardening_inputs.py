@@ -70,7 +70,7 @@ def _brute_force(tags, budget):
     return best
 
 
-@settings(max_examples=400, **SETTINGS)
+@settings(max_examples=300, **SETTINGS)
 @given(case=footprints())
 @example(case=({"a": SimpleNamespace(bytes=-5, recompute_flops=1e9)}, 1000))
 @example(case=({"a": SimpleNamespace(bytes=1, recompute_flops=math.nan)}, 10))

@@ -174,7 +174,7 @@ def test_several_patterns_decide_as_any_fullmatch_in_any_order(patterns, tags, d
         assert (re.fullmatch(policy.save_regex, tag) is not None) == want
 
 
-@settings(max_examples=300, **SETTINGS)
+@settings(max_examples=200, **SETTINGS)
 @given(pattern=st.tuples(global_flags(), regexes()).map("".join).filter(_compiles),
        tag=TAGS)
 def test_the_linear_time_matcher_agrees_with_re(pattern, tag):

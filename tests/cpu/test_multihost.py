@@ -33,20 +33,6 @@ CHILD = textwrap.dedent("""
         print("RESULT " + json.dumps(out), flush=True)
         jax.distributed.shutdown()
         sys.exit(0)
-    if os.environ.get("TEST_DEFAULT_SET"):  # a host default built from a set
-        from jax.ad_checkpoint import checkpoint_policies as cp
-        names = {f"layer{i}.{n}_proj" for i in range(6) for n in "qkvo"}
-        try:
-            choice = nr.resolve_policy(
-                default=nr.RegexPolicy(names), layer="decoder.layer", stack="stacked",
-                tags=set(names), other_default=cp.save_only_these_names(*names))
-            out["policy"] = multihost.describe_policy(choice.policy, choice.prevent_cse)
-            out["order"] = list(nr.RegexPolicy(names).save)
-        except nr.PolicyMismatchError as err:
-            out["error"] = str(err)
-        print("RESULT " + json.dumps(out), flush=True)
-        jax.distributed.shutdown()
-        sys.exit(0)
     try:
         choice = nr.resolve_policy(
             layer=os.environ.get("TEST_LAYER", "decoder.layer"), stack="stacked",
@@ -67,6 +53,15 @@ CHILD = textwrap.dedent("""
                             parallelism={"tp": 4, "fsdp": -1, "sequence_parallel": True,
                                          "hosts": 2})
         out["direct"] = multihost.describe_policy(direct.policy, direct.prevent_cse)
+        # A host default built from a set (iterated in PYTHONHASHSEED's order), and a set
+        # and JAX's frozenset-holding policy in the context: every process keys alike.
+        from jax.ad_checkpoint import checkpoint_policies as cp
+        names = {f"layer{i}.{n}_proj" for i in range(6) for n in "qkvo"}
+        by_set = nr.resolve_policy(
+            default=nr.RegexPolicy(names), layer="decoder.set_default", stack="stacked",
+            tags=set(names), other_default=cp.save_only_these_names(*names))
+        out["set_default"] = multihost.describe_policy(by_set.policy, by_set.prevent_cse)
+        out["order"] = list(nr.RegexPolicy(names).save)
     except nr.PolicyMismatchError as err:
         out["error"] = str(err)
     print("RESULT " + json.dumps(out), flush=True)
@@ -112,7 +107,9 @@ SAME = {"NEURON_REMAT_DEVICE": "trn2.48xlarge:hbm=8GiB"}
 
 
 def test_two_processes_that_agree(tmp_path):
-    results = _run_pair(tmp_path, [SAME, SAME])
+    # Different hash seeds: sets iterate in different orders in the two processes.
+    results = _run_pair(tmp_path, [{**SAME, "PYTHONHASHSEED": "1"},
+                                   {**SAME, "PYTHONHASHSEED": "2"}])
     assert [r["count"] for r in results] == [2, 2]
     assert all("error" not in r for r in results), results
     assert results[0]["policy"] == results[1]["policy"]
@@ -122,6 +119,8 @@ def test_two_processes_that_agree(tmp_path):
         assert all(r["provider"] == "neuron_remat" for r in results)
     assert results[0]["direct"] == results[1]["direct"]
     assert "RegexPolicy" in results[0]["direct"] and "linear1_0" in results[0]["direct"]
+    assert results[0]["set_default"] == results[1]["set_default"]
+    assert results[0]["order"] == results[1]["order"] == sorted(results[0]["order"])
 
 
 def test_a_host_with_other_visible_cores_is_named(tmp_path):
@@ -174,16 +173,6 @@ def test_the_same_layer_in_another_context_is_a_mismatch_not_a_timeout(tmp_path)
         err = r["error"]
         assert "did not publish" not in err and "another context" in err, err
         assert "4096" in err and "8192" in err and "\n" not in err
-
-
-def test_a_default_built_from_a_set_agrees_across_hash_seeds(tmp_path):
-    # Sets iterate in an order that follows PYTHONHASHSEED; every process must still key
-    # the exchange and fingerprint the policy alike.
-    envs = [{**SAME, "TEST_DEFAULT_SET": "1", "PYTHONHASHSEED": seed} for seed in ("1", "2")]
-    results = _run_pair(tmp_path, envs)
-    assert all("error" not in r for r in results), results
-    assert results[0]["policy"] == results[1]["policy"]
-    assert results[0]["order"] == results[1]["order"] == sorted(results[0]["order"])
 
 
 # ----------------------------------------------------------------------------------------
