@@ -10,6 +10,13 @@ case folding, ``\\w``, ``\\b`` and ``$`` mean exactly what they mean to ``re``. 
 NFA can run (back-references, look-arounds, conditionals, atomic groups, possessive
 repeats) are left to ``re``, but only in patterns whose backtracking is bounded (no nested
 or alternated repetition, at most two repeats); others are refused with a `PatternError`.
+
+The parse tree comes from CPython's private ``re._parser`` (``sre_parse`` on 3.10): no
+public API gives it, and a linear-time matcher needs it. Its behaviour is pinned by the
+differential tests in ``tests/cpu/test_hardening_regex.py`` (generated patterns with inline
+and compiled flags, empty and zero-width repeats, empty alternatives, Unicode classes and
+case folding, decided here and by ``re.fullmatch``), run on Python 3.11.7 and 3.12.1; run
+them before trusting a newer Python.
 """
 
 from __future__ import annotations
@@ -39,6 +46,17 @@ _BACKTRACKING = {getattr(_sre_c, n) for n in (
     "GROUPREF", "GROUPREF_EXISTS", "GROUPREF_IGNORE", "GROUPREF_LOC_IGNORE",
     "GROUPREF_UNI_IGNORE", "ASSERT", "ASSERT_NOT", "ATOMIC_GROUP", "POSSESSIVE_REPEAT")
     if hasattr(_sre_c, n)}
+
+
+_TYPE_FLAGS = re.ASCII | re.LOCALE | re.UNICODE
+
+
+def _combine_flags(flags: int, add: int, remove: int) -> int:
+    """The flags in force inside a scoped ``(?add-remove:...)`` group, as re's compiler
+    combines them: a character-type flag added (``a``, ``u``) replaces the one in force."""
+    if add & _TYPE_FLAGS:
+        flags &= ~_TYPE_FLAGS
+    return (flags | add) & ~remove
 
 
 class PatternError(ValueError):
@@ -110,7 +128,7 @@ class _Program:
             return [(self.emit("at", self.test(node, flags), None), 2)]
         if op is _sre_c.SUBPATTERN:
             _group, add, remove, sub = av
-            return self.sequence(sub, (flags | add) & ~remove)
+            return self.sequence(sub, _combine_flags(flags, add, remove))
         if op is _sre_c.BRANCH:
             holes: list[tuple[int, int]] = []
             alternatives = av[1]
@@ -124,6 +142,8 @@ class _Program:
             return holes
         if op in _REPEAT:
             lo, hi, sub = av
+            if hi is not _sre_c.MAXREPEAT and hi == 0:  # x{0}: matches the empty string
+                return self.sequence([], flags)
             holes = []
             for _ in range(lo):
                 start = len(self.code)

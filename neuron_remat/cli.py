@@ -140,7 +140,7 @@ def _device_for_plan(text: str) -> tuple[dev.DeviceSpec, str | None]:
         spec = dev.detect()
         if spec.is_neuron:
             return spec, None
-        sim = dev.from_instance_type("trn2.48xlarge")
+        sim = dev.parse_device("trn2.48xlarge", source="simulated")  # same env handling
         return sim, (f"no Neuron device here ({spec.family}): planning for a simulated "
                      "trn2.48xlarge; pass --device to choose another")
     else:
@@ -153,20 +153,23 @@ def _device_for_plan(text: str) -> tuple[dev.DeviceSpec, str | None]:
     return spec, note
 
 
-def _model(text: str) -> models.TransformerConfig:
+def _model(text: str, text_only: bool = False) -> models.TransformerConfig:
     """A built-in model name or a config.json path; file problems name the file. Anything
     shaped like a path is a config.json, so a missing one is reported as missing, not as an
     unknown model name."""
     if os.path.exists(text) or text.lower().endswith(".json") or os.sep in text or "/" in text:
         try:
-            return models.load_hf_config(text)
+            return models.load_hf_config(text, text_only=text_only)
         except (ValueError, TypeError) as err:
             raise UsageError(f"--model: {err}") from None
+    if text_only:
+        raise UsageError(f"--text-only applies to a multimodal config.json; {text!r} is a "
+                         "built-in model (text only already)")
     return models.get_model(text)
 
 
 def _plan_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
-    config = _model(args.model)
+    config = _model(args.model, getattr(args, "text_only", False))
     changes: dict[str, Any] = {}
     if args.flash_attention is not None:
         changes["flash_attention"] = args.flash_attention
@@ -441,6 +444,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", default="fuji-70b",
                     help="built-in model name or a Hugging Face config.json path "
                          "(default fuji-70b; see 'neuron-remat models')")
+    pl.add_argument("--text-only", action="store_true",
+                    help="plan a multimodal config.json's text decoder (its text_config)")
     pl.add_argument("--device", default="auto",
                     help="instance type or family with options (trn2.48xlarge, "
                          "trn2:lnc=1:hbm=8GiB), 'detected', or 'auto' (detected if Neuron, "

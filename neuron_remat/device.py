@@ -439,9 +439,10 @@ def parse_device(text: str, *, source: str = "override",
 
     The runtime's variables in `environ` (default ``os.environ``) describe this process,
     and they apply unless the text says otherwise: ``NEURON_LOGICAL_NC_CONFIG`` gives the
-    LNC when ``lnc`` is not written, and for the ``NEURON_REMAT_DEVICE`` override (source
-    ``"override"``) ``NEURON_RT_VISIBLE_CORES``/``NEURON_RT_NUM_CORES`` give the cores when
-    ``cores`` is not written. Where both are given and disagree, the contradiction is a
+    LNC when ``lnc`` is not written, and ``NEURON_RT_VISIBLE_CORES``/``NEURON_RT_NUM_CORES``
+    give the cores when ``cores`` is not written, whatever the `source` (the
+    ``NEURON_REMAT_DEVICE`` override or a device named on the command line), as for a
+    detected device. Where both are given and disagree, the contradiction is a
     `ValueError`; where a variable applies, the evidence says so.
     """
     if not isinstance(text, str):
@@ -509,15 +510,16 @@ def parse_device(text: str, *, source: str = "override",
     if "cores" in opts:
         cores = _ascii_int(opts["cores"], what=f"{what}: cores", low=1, high=total,
                            valid=f"1-{total} (the logical cores of {where})")
-    if source == "override":
-        visible, visible_note = _visible_cores(env, total)
-        if visible is not None and cores is not None and visible != cores:
-            raise ValueError(
-                f"{what} says cores={cores} but {visible_note.split(' -> ')[0]} in this "
-                f"environment gives {visible}: make them agree or unset one")
-        if visible is not None:
-            notes.append(Evidence("env", visible_note + " (the override's device)"))
-            cores = visible
+    # The runtime's core variables apply to a named device as to the override and to a
+    # detected one: read, validated and honoured alike.
+    visible, visible_note = _visible_cores(env, total)
+    if visible is not None and cores is not None and visible != cores:
+        raise ValueError(
+            f"{what} says cores={cores} but {visible_note.split(' -> ')[0]} in this "
+            f"environment gives {visible}: make them agree or unset one")
+    if visible is not None:
+        notes.append(Evidence("env", visible_note + f" (the {source}'s device)"))
+        cores = visible
     found = f"{base}, LNC={lnc}" + (f", hbm={hbm} B/core" if hbm else "") + (
         f", cores={cores}" if cores is not None else "")
     notes[0] = Evidence(source, found, True)
@@ -574,14 +576,15 @@ def _parse_core_list(raw: str, total: int | None = None) -> tuple[int, int]:
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         if hi < lo:
             raise ValueError(f"{name}={_show(raw)}: range {piece!r} runs backwards; "
-                             f"write '{hi}-{lo}'")
+                             f"valid: '{hi}-{lo}' (low to high)")
         if hi >= limit:
             raise ValueError(f"{name}={_show(raw)} names core {hi} but {scope}")
         spans.append((lo, hi))
     spans.sort()
     for (_, hi_a), (lo_b, _) in zip(spans, spans[1:]):
         if lo_b <= hi_a:
-            raise ValueError(f"{name}={_show(raw)} names core {lo_b} twice")
+            raise ValueError(f"{name}={_show(raw)} names core {lo_b} twice; valid: each "
+                             "core once, e.g. '0-3' or '0,2,4-7'")
     return sum(hi - lo + 1 for lo, hi in spans), spans[-1][1]
 
 
@@ -883,6 +886,7 @@ def _detect(root: str, env: Mapping[str, str], use_jax: bool, timeout: float) ->
     kind = jax_probe.device_kind if jax_probe else None
     if jax_probe is not None and jax_probe.cores:
         cores = jax_probe.cores  # the runtime has already applied the visible-core variables
+        _visible_cores(env, total)  # but a bad value is refused here too, as on every path
         applied = [f"{k}={_show(env[k], 40)[1:-1]}" for k in
                    ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES") if env.get(k, "").strip()]
         if applied:

@@ -327,8 +327,18 @@ class TransformerConfig:
     qkv_bias: bool = False  # Qwen2 / Qwen2.5 / Qwen2-MoE
     qk_norm: bool = False  # RMS norms on q and k per head (Qwen3, Gemma 3)
     sandwich_norm: bool = False  # norms after attention and feed-forward too (Gemma 2/3)
+    # What config.json says of sequence lengths (None: not said). Not modelled, but
+    # `shape_notes` tells a plan when its seq_len goes past them.
+    max_positions: int | None = None  # max_position_embeddings
+    sliding_window: int | None = None  # the window of sliding-window attention layers
+    sliding_layers: int | None = None  # how many layers use it (None: all of them)
 
     def __post_init__(self) -> None:
+        _positive(f"model {self.name!r}", hidden=self.hidden, heads=self.heads)
+        for key in ("kv_heads", "head_dim", "max_positions", "sliding_window",
+                    "sliding_layers"):
+            if getattr(self, key) is not None:
+                _positive(f"model {self.name!r}", **{key: getattr(self, key)})
         if self.kv_heads is None:
             object.__setattr__(self, "kv_heads", self.heads)
         if self.head_dim is None and self.mla is not None:
@@ -799,6 +809,21 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     "deepseek_v2": {"moe": "deepseek", "mla": True},
     "deepseek_v3": {"moe": "deepseek", "mla": True},
     "llama4_text": {"moe": "llama4"},
+    # OLMo 2: q/k RMS norms over the whole projection (not per head) and its two norms
+    # after attention and the FFN instead of before: the same norms and bytes as qk_norm on
+    # a Llama layer; parameters differ by (heads + kv_heads - 2) x head_dim per layer.
+    "olmo2": {"qk_norm": True},
+}
+# The other spellings transformers' config classes accept for a field the loader reads
+# (each class's ``attribute_map``: either key sets the same attribute, and a config.json
+# written by transformers may carry either). huggingface/transformers commit
+# 008e574391258935f3ecc3035c882e73bbcac419, src/transformers/models/*/configuration_*.py;
+# the base PreTrainedConfig's map is empty and the dense families here add none.
+_SPELLINGS: dict[str, dict[str, tuple[str, ...]]] = {
+    "mixtral": {"num_local_experts": ("num_experts",)},
+    "qwen3_moe": {"num_experts": ("num_local_experts",)},
+    "deepseek_v2": {"n_routed_experts": ("num_experts",)},
+    "deepseek_v3": {"n_routed_experts": ("num_local_experts",)},
 }
 _HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu",
                    "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
@@ -816,8 +841,10 @@ class _Fields:
     """Typed reads of a config.json dict; every error names the key, the file and what
     is valid."""
 
-    def __init__(self, cfg: Mapping[str, Any], source: str) -> None:
-        self.cfg, self.source = cfg, source
+    def __init__(self, cfg: Mapping[str, Any], source: str,
+                 spellings: Mapping[str, tuple[str, ...]] | None = None) -> None:
+        self.source = source
+        self.cfg = _respell(cfg, spellings or {}, source)
 
     def _fail(self, key: str, value: Any, valid: str) -> ValueError:
         return ValueError(f"{self.source}: {key}={_short(value)} is not valid; {valid}")
@@ -868,6 +895,22 @@ class _Fields:
         return value
 
 
+def _respell(cfg: Mapping[str, Any], spellings: Mapping[str, tuple[str, ...]],
+             source: str) -> Mapping[str, Any]:
+    """`cfg` with each field under the key the loader reads, whichever of transformers'
+    spellings it was written with; two spellings with different values are an error."""
+    out = dict(cfg)
+    for key, others in spellings.items():
+        given = [(k, cfg[k]) for k in (key, *others) if cfg.get(k) is not None]
+        if len({json.dumps(v, sort_keys=True, default=repr) for _, v in given}) > 1:
+            shown = ", ".join(f"{k}={_short(v)}" for k, v in given)
+            raise ValueError(f"{source}: {shown} are one setting spelled two ways, with "
+                             "different values; keep one")
+        if given:
+            out[key] = given[0][1]
+    return out
+
+
 def _refuse(source: str, what: str) -> ValueError:
     return ValueError(f"{source}: {what}; {_NOT_MODELLED}")
 
@@ -890,8 +933,8 @@ def _check_modelled(cfg: Mapping[str, Any], source: str, model_type: str,
             return text
         what = (f"model_type {model_type!r} has a vision or audio tower ({', '.join(vision)})"
                 if vision else f"model_type {model_type!r} nests its model in text_config")
-        hint = (" (pass text_only=True to plan its text decoder alone)"
-                if isinstance(text, Mapping) else "")
+        hint = (" (to plan its text decoder alone: --text-only on the command line, "
+                "text_only=True in Python)" if isinstance(text, Mapping) else "")
         return _raise(_refuse(source, what + hint))
     return None
 
@@ -973,8 +1016,8 @@ def from_hf_config(cfg: Mapping[str, Any], *, name: str | None = None,
 
 def _from_hf_config(cfg: Mapping[str, Any], name: str | None, source: str, text_only: bool,
                     overrides: dict[str, Any]) -> TransformerConfig:
-    f = _Fields(cfg, source)
-    model_type = f.str("model_type", "") or ""
+    model_type = _Fields(cfg, source).str("model_type", "") or ""
+    f = _Fields(cfg, source, _SPELLINGS.get(model_type))
     text = _check_modelled(cfg, source, model_type, text_only)
     if text is not None:
         return from_hf_config(text, name=name or f.str("_name_or_path"),
@@ -988,6 +1031,7 @@ def _from_hf_config(cfg: Mapping[str, Any], name: str | None, source: str, text_
                           f"family and has keys it does not know ({shown}); known families: "
                           f"{', '.join(_FAMILIES)}")
         family = {}
+        _warn_once_per_type(model_type, source)
     structural = sorted(k for k in cfg if _STRUCTURE_KEYS.search(k))
     if structural and "moe" not in family and not family.get("mla"):
         raise _refuse(source, f"model_type {model_type!r} is dense, but the config has "
@@ -1019,11 +1063,63 @@ def _from_hf_config(cfg: Mapping[str, Any], name: str | None, source: str, text_
         qkv_bias=f.bool("attention_bias", family.get("qkv_bias", False)),
         qk_norm=family.get("qk_norm", False),
         sandwich_norm=family.get("sandwich_norm", False),
+        **_hf_positions(f, layers, model_type),
     )
     if mla is not None:
         kw["head_dim"] = None  # MLA's per-head q/k width is nope + rope
     kw.update(overrides)
     return TransformerConfig(**kw)
+
+
+_WARNED_TYPES: set[str] = set()
+
+
+def _warn_once_per_type(model_type: str, source: str) -> None:
+    if model_type in _WARNED_TYPES:
+        return
+    _WARNED_TYPES.add(model_type)
+    logger.warning("%s: model_type %r is not a family neuron_remat knows (%s); it is planned "
+                   "as a Llama-like dense layer (norms before attention and FFN, no q/k "
+                   "norms); if its layer differs, measure it with traced_footprint", source,
+                   model_type or "(none)", ", ".join(_FAMILIES))
+
+
+def _hf_positions(f: _Fields, layers: int, model_type: str) -> dict[str, Any]:
+    """max_position_embeddings, and the sliding window where the config turns it on
+    (Qwen's ``use_sliding_window``; Gemma's and Qwen2-MoE's ``layer_types``)."""
+    out: dict[str, Any] = {"max_positions": f.int("max_position_embeddings", None)}
+    window = f.int("sliding_window", None, minimum=0) or None
+    if window is not None and f.bool("use_sliding_window", True):
+        kinds = f.cfg.get("layer_types")
+        count = None
+        if isinstance(kinds, list) and all(isinstance(k, str) for k in kinds):
+            count = sum(k == "sliding_attention" for k in kinds)
+            window = window if count else None
+        elif model_type == "gemma2":  # transformers' default: every other layer, from 0
+            count = (layers + 1) // 2
+        elif model_type == "gemma3_text":  # all but every `sliding_window_pattern`-th
+            count = layers - layers // f.int("sliding_window_pattern", 6)
+        out.update(sliding_window=window, sliding_layers=count if window else None)
+    return out
+
+
+def shape_notes(config: TransformerConfig, shape: StepShape) -> tuple[str, ...]:
+    """What a plan for `shape` must say about sequence lengths the config bounds: a
+    `seq_len` past ``max_position_embeddings``, and a sliding window shorter than it (not
+    modelled: attention is planned as full causal attention, an upper bound)."""
+    notes = []
+    seq = shape.seq_len
+    if config.max_positions is not None and seq > config.max_positions:
+        notes.append(f"seq_len {seq} is past {config.name}'s max_position_embeddings "
+                     f"{config.max_positions} ({config.source or 'its config'}): the model "
+                     "was not trained on positions that far; planned as asked")
+    if config.sliding_window is not None and seq > config.sliding_window:
+        which = ("every layer" if config.sliding_layers is None
+                 else f"{config.sliding_layers} of {config.layers} layers")
+        notes.append(f"sliding_window {config.sliding_window} ({which}) is shorter than "
+                     f"seq_len {seq} and is not modelled: attention is planned as full "
+                     "causal attention (an upper bound on its memory and FLOPs)")
+    return tuple(notes)
 
 
 def load_hf_config(path: str | os.PathLike[str], *, name: str | None = None,

@@ -10,8 +10,12 @@ devices and no collectives, so it works on CPU hosts too), reads the others' und
 timeout, and raises `PolicyMismatchError` naming the processes that differ.
 
 This is a correctness error: it is raised whether or not ``NEURON_REMAT_STRICT`` is set.
-A process that does not publish within ``NEURON_REMAT_AGREEMENT_TIMEOUT`` seconds
-(default 300) is an error too, rather than a hang.
+A disagreement is reported as soon as every process has published: a different policy at
+once, a different question (another layer, or the same layer with another shape, so the
+other process never publishes the key this one waits for) once both have waited on each
+other for `STABLE_S` (read from each process's log of what it published). Only a process
+that publishes nothing within ``NEURON_REMAT_AGREEMENT_TIMEOUT`` seconds (default 300) is
+reported as silent, an error rather than a hang.
 
 In a single process, or before ``jax.distributed.initialize()``, nothing is exchanged
 and no JAX backend is started.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import math
 import os
@@ -75,6 +80,10 @@ def _stable(value: Any, depth: int = 0) -> str:
         return "(" + ", ".join(_stable(v, depth + 1) for v in value) + ")"
     if isinstance(value, (str, int, float, bool, type(None), bytes)):
         return repr(value)
+    canonical = getattr(value, "canonical", None)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type) and callable(canonical):
+        # An order-free form (RegexPolicy: policies equal as sets of patterns).
+        return f"{type(value).__qualname__}{_stable(canonical(), depth + 1)}"
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = ", ".join(f"{f.name}={_stable(getattr(value, f.name), depth + 1)}"
                            for f in dataclasses.fields(value) if f.compare)
@@ -163,6 +172,12 @@ _LOCK = threading.Lock()
 _AGREED: set[tuple[str, str]] = set()  # (context key, fingerprint) checked with every process
 _ROUNDS: dict[str, int] = {}  # exchanges per context key so far
 _CONTEXT_LOCKS: dict[str, threading.Lock] = {}
+_PUBLISHED: set[str] = set()  # the exchange keys this process has published
+_SEQUENCE = [0]  # this process's publications so far (its log's next index)
+_POLL_S = 0.1
+STABLE_S = 1.0
+"""How long two processes must each wait, still, on an exchange the other never published
+before that is reported as a mismatch (a thread of either may yet publish it)."""
 
 
 def agree(policy: Any, prevent_cse: bool | None, *, what: str,
@@ -174,6 +189,14 @@ def agree(policy: Any, prevent_cse: bool | None, *, what: str,
     A no-op in a single process. Each (context, policy) pair is exchanged once per
     process; later calls are a set lookup.
 
+    Each process publishes its answer under a key made from `what` and `context`, and
+    logs the key. A process whose policy differs is reported as soon as its answer is read.
+    A process that was asked something else (another layer, or the same layer in another
+    context: e.g. another shape) never publishes the key this one waits for; that is seen
+    in its log, and reported as a mismatch naming both questions once both processes have
+    waited on each other for `STABLE_S` (about a second). Only a process that publishes
+    nothing new within the timeout is reported as silent.
+
     Args:
         policy, prevent_cse: what this process resolved.
         what: the layer or call site, for the error message.
@@ -182,11 +205,16 @@ def agree(policy: Any, prevent_cse: bool | None, *, what: str,
         timeout_s: how long to wait for the others (default: the
             ``NEURON_REMAT_AGREEMENT_TIMEOUT`` variable, else 300 s).
     """
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(
+            timeout_s, (int, float)) or not 0 < timeout_s <= 86400):  # NaN fails too
+        raise ValueError(f"agree: timeout_s={timeout_s!r:.40} is not a timeout; valid: "
+                         "seconds above 0 and at most 86400")
     dist = _distributed()
     if dist is None:
         return
     me, count, client = dist
-    ctx = _sha(f"{what}|{_stable(dict(context or {}))}", 24)
+    asked = _stable(dict(context or {}))
+    ctx = _sha(f"{what}|{asked}", 24)
     fp = fingerprint(policy, prevent_cse)
     with _LOCK:
         if (ctx, fp) in _AGREED:
@@ -201,33 +229,99 @@ def agree(policy: Any, prevent_cse: bool | None, *, what: str,
         wait = _timeout_s() if timeout_s is None else timeout_s
         described = describe_policy(policy, prevent_cse)
         env = " ".join(f"{k}={os.environ[k]}" for k in _SHOWN_ENV if k in os.environ)
-        mine = f"{fp}\n{described[:1500]}\n{env[:500]}"
+        mine = f"{fp}\n{_one_line(described)[:1500]}\n{_one_line(env)[:500]}"
         base = f"{_KEY_PREFIX}/{ctx}/{round_}"
+        entry = json.dumps({"key": base, "site": what[:300], "context": asked[:1000]})
         try:
             client.key_value_set(f"{base}/{me}", mine)
+            with _LOCK:
+                _PUBLISHED.add(base)
+                seq = _SEQUENCE[0]
+                _SEQUENCE[0] += 1
+            client.key_value_set(f"{_KEY_PREFIX}/log/{me}/{seq:08d}", entry)
         except Exception as err:  # noqa: BLE001  the distributed runtime is gone
             raise PolicyMismatchError(
                 f"neuron_remat: process {me} could not publish its remat policy for {what} "
                 f"to JAX's distributed runtime ({type(err).__name__}: "
-                f"{str(err).splitlines()[0] if str(err) else ''})") from None
+                f"{_first_line(err)})") from None
         answers = {me: mine}
         deadline = time.monotonic() + wait
         for other in range(count):
-            if other == me:
-                continue
-            left_ms = max(1, int((deadline - time.monotonic()) * 1000))
-            try:
-                answers[other] = client.blocking_key_value_get(f"{base}/{other}", left_ms)
-            except Exception as err:  # noqa: BLE001  the runtime's timeout or failure
-                raise PolicyMismatchError(
-                    f"neuron_remat: process {other} of {count} did not publish its remat "
-                    f"policy for {what} within {wait:g} s (this is process {me}); every "
-                    "process must resolve the same layers in an SPMD program. Raise "
-                    f"{AGREEMENT_TIMEOUT_ENV} if it is only slow. ({type(err).__name__}: "
-                    f"{str(err).splitlines()[0] if str(err) else ''})") from None
+            if other != me:
+                answers[other] = _read(client, f"{base}/{other}", other, count, me, what,
+                                       asked, wait, deadline)
         _compare(answers, what, me)
         with _LOCK:
             _AGREED.add((ctx, fp))
+
+
+def _read(client: Any, key: str, other: int, count: int, me: int, what: str, asked: str,
+          wait: float, deadline: float) -> str:
+    """Process `other`'s answer under `key`: waits in short slices, and between them reads
+    `other`'s log to tell a process asked something else from a silent one."""
+    seen: tuple[Any, ...] | None = None
+    since = time.monotonic()
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return client.blocking_key_value_get(key, max(1, int(min(left, _POLL_S) * 1000)))
+        except Exception as err:  # noqa: BLE001  not there yet (or the runtime failed)
+            last = err
+        now = time.monotonic()
+        if now >= deadline:
+            raise PolicyMismatchError(
+                f"neuron_remat: process {other} of {count} did not publish its remat "
+                f"policy for {what} within {wait:g} s (this is process {me}), nor was it "
+                "seen resolving anything else; every process must resolve the same layers "
+                f"in an SPMD program. Raise {AGREEMENT_TIMEOUT_ENV} if it is only slow. "
+                f"({type(last).__name__}: {_first_line(last)})") from None
+        elsewhere = _elsewhere(client, other)
+        if elsewhere != seen:
+            seen, since = elsewhere, now
+        elif elsewhere and now - since >= STABLE_S:
+            raise PolicyMismatchError(_asked_otherwise(other, me, what, asked, elsewhere))
+
+
+def _elsewhere(client: Any, other: int) -> tuple[tuple[str, str, str], ...]:
+    """The exchanges process `other` has published and this process has not: what it
+    waits for in vain unless this process is yet to ask the same."""
+    try:
+        listed = client.key_value_dir_get(f"{_KEY_PREFIX}/log/{other}/")
+    except Exception:  # noqa: BLE001  an older runtime without directories: wait it out
+        return ()
+    with _LOCK:
+        published = set(_PUBLISHED)
+    out = []
+    for _key, value in sorted(listed):
+        try:
+            entry = json.loads(value)
+        except (TypeError, ValueError):
+            continue
+        if isinstance(entry, dict) and entry.get("key") not in published:
+            out.append((str(entry.get("key")), str(entry.get("site")),
+                        str(entry.get("context"))))
+    return tuple(out)
+
+
+def _asked_otherwise(other: int, me: int, what: str, asked: str,
+                     elsewhere: tuple[tuple[str, str, str], ...]) -> str:
+    _key, site, context = elsewhere[-1]
+    if site == what:
+        diff = f"the same {what} with another context: {_one_line(context)[:600]} (process " \
+               f"{other}) against {_one_line(asked)[:600]} (process {me})"
+    else:
+        diff = f"{_one_line(site)[:200]} (process {other}) where process {me} resolved {what}"
+    return (f"neuron_remat: the processes of this job asked for different remat policies, so "
+            f"they would compile different programs: {diff}. Every process must resolve the "
+            "same layers with the same model, shape and parallelism in an SPMD program.")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0] if str(err) else ""
 
 
 def _compare(answers: Mapping[int, str], what: str, me: int) -> None:

@@ -7,10 +7,13 @@ import dataclasses
 import itertools
 import logging
 import math
+import numbers
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from . import memory_model as mm
 from . import models
@@ -427,6 +430,7 @@ def plan(
     Tags saving fewer than `min_flops_per_byte` FLOPs per byte kept are never saved.
     Raises `NoFitError` when even full recompute does not fit.
     """
+    _check_plan_numbers(budget_bytes, min_flops_per_byte, runner_ups, reserve)
     notes: list[str] = []
     bud: mm.Budget | None = None
     par: models.Parallelism | None = None
@@ -441,6 +445,7 @@ def plan(
         # Plan in the names the host emits on this device (axlearn on Neuron: no
         # flash-attention tag, so attention is recomputed under any names policy).
         config = dataclasses.replace(config, tags=models.host_tags(config.tags, device))
+        notes.extend(models.shape_notes(config, shape))
         par = (parallelism or models.Parallelism()).resolve(device)
         bud = mm.budget(device, config, shape, par, reserve=reserve)
         fp = mm.layer_footprint(config, shape, par)
@@ -451,6 +456,7 @@ def plan(
             raise ValueError("plan(footprint=...) needs budget_bytes= (what one layer may "
                              "keep on one core, its input included)")
         fp = footprint if isinstance(footprint, mm.Footprint) else _as_footprint(footprint)
+        _check_footprint(fp)
         per_layer = int(budget_bytes)
         layers, inflight = 1, 1
 
@@ -558,11 +564,68 @@ def _own_workspace(bud: mm.Budget, roles: Mapping[str, str]
     return lambda subset: bud.per_layer_bytes_for(roles.get(t, t) for t in subset)
 
 
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _whole(value: Any) -> bool:
+    """An integer, or a float with no fractional part (not a bool)."""
+    if isinstance(value, numbers.Integral):
+        return not isinstance(value, (bool, np.bool_))
+    return _is_real(value) and math.isfinite(value) and float(value).is_integer()
+
+
+def _check_plan_numbers(budget_bytes: Any, min_flops_per_byte: Any, runner_ups: Any,
+                        reserve: Any = None) -> None:
+    """plan's own numbers: one line naming the argument and what is valid."""
+    if reserve is not None and not (
+            (isinstance(reserve, numbers.Integral) and not isinstance(reserve, (bool, np.bool_))
+             and reserve >= 0)
+            or (isinstance(reserve, float) and math.isfinite(reserve) and 0 <= reserve < 1)):
+        raise ValueError(f"plan: reserve={reserve!r:.60} is not valid; valid: a fraction of "
+                         "HBM in [0, 1) as a float, or whole bytes >= 0 as an int")
+    if budget_bytes is not None and not (_whole(budget_bytes) and budget_bytes >= 0):
+        raise ValueError(f"plan: budget_bytes={budget_bytes!r:.60} is not a budget; valid: a "
+                         "whole number of bytes >= 0 (finite)")
+    if not (_is_real(min_flops_per_byte) and math.isfinite(min_flops_per_byte)
+            and min_flops_per_byte >= 0):
+        raise ValueError(f"plan: min_flops_per_byte={min_flops_per_byte!r:.60} is not valid; "
+                         "valid: a finite number >= 0")
+    if not (isinstance(runner_ups, numbers.Integral) and not isinstance(runner_ups, bool)
+            and 0 <= runner_ups <= 1000):
+        raise ValueError(f"plan: runner_ups={runner_ups!r:.60} is not valid; valid: an "
+                         "integer from 0 to 1000")
+
+
+def _check_footprint(fp: Mapping[str, Any]) -> None:
+    """Every tag's cost: whole bytes >= 0 and finite recompute FLOPs >= 0."""
+    full = getattr(fp, "full_recompute_flops", None)
+    if full is not None and not (_is_real(full) and math.isfinite(full) and full >= 0):
+        raise ValueError(f"plan: footprint.full_recompute_flops={full!r:.60} is not valid; "
+                         "valid: a finite number of FLOPs >= 0")
+    for name in fp:
+        cost = fp[name]
+        if not isinstance(name, str):
+            raise ValueError(f"plan: footprint key {name!r:.60} is not a tag name; valid: str")
+        if not (_whole(cost.bytes) and cost.bytes >= 0):
+            raise ValueError(f"plan: footprint[{name!r}].bytes={cost.bytes!r:.60} is not valid; "
+                             "valid: a whole number of bytes >= 0")
+        flops = cost.recompute_flops
+        if not (_is_real(flops) and math.isfinite(flops) and flops >= 0):
+            raise ValueError(f"plan: footprint[{name!r}].recompute_flops={flops!r:.60} is not "
+                             "valid; valid: a finite number of FLOPs >= 0")
+
+
 def _as_footprint(mapping: Mapping[str, Any]) -> mm.Footprint:
+    if not isinstance(mapping, Mapping):
+        raise TypeError(f"plan: footprint= must be a mapping of tag -> cost (from "
+                        f"layer_footprint or traced_footprint); got {type(mapping).__name__}")
     tags = {}
     for name, cost in mapping.items():
         if not hasattr(cost, "bytes") or not hasattr(cost, "recompute_flops"):
-            raise TypeError(f"footprint[{name!r}] = {cost!r} lacks .bytes and .recompute_flops")
+            raise TypeError(f"footprint[{name!r}] = {cost!r:.80} lacks .bytes and "
+                            ".recompute_flops")
+        _check_footprint({name: cost})
         tags[name] = mm.TagCost(bytes=int(cost.bytes), recompute_flops=float(cost.recompute_flops),
                                 always_kept=bool(getattr(cost, "always_kept", False)))
     always = sum(c.bytes for c in tags.values() if c.always_kept)

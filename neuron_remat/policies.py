@@ -27,7 +27,7 @@ import functools
 import logging
 import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -41,6 +41,7 @@ from . import _regex, models
 from .device import looks_like_neuron
 
 __all__ = [
+    "MEMORY_KINDS",
     "NamesPolicy",
     "PRESETS",
     "Preset",
@@ -67,21 +68,66 @@ _PROBES = ("x", "Z", "0", "_", ".", "a.b", "q_proj", "MultiheadAttention.q_proj"
            "A-b c", "é", "[]()", "\t", "name/with/slashes", "x" * 300)
 
 
-def _as_text(p: PatternLike) -> str:
+_INLINE = ((re.IGNORECASE, "i"), (re.MULTILINE, "m"), (re.DOTALL, "s"), (re.VERBOSE, "x"),
+           (re.ASCII, "a"))
+_WRITABLE = re.IGNORECASE | re.MULTILINE | re.DOTALL | re.VERBOSE | re.ASCII | re.UNICODE
+_LEADING_FLAGS = re.compile(r"\(\?[aiLmsux]+\)")
+_VERBOSE_GAP = re.compile(r"(?:\s|#[^\n]*(?:\n|$))*")
+MEMORY_KINDS = ("device", "pinned_host", "unpinned_host")
+"""The memory kinds an offload may name (JAX's ``Offloadable`` src and dst)."""
+
+
+def _shown(p: Any) -> str:
+    text = repr(p)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _as_text(p: Any, what: str) -> str:
+    """`p` as one pattern string whose flags (a compiled pattern's, or leading global
+    inline flags) are scoped to it, so it can be joined with others unchanged."""
     if isinstance(p, re.Pattern):
-        flags = p.flags & ~re.UNICODE
         if not isinstance(p.pattern, str):
-            raise TypeError(f"pattern {p.pattern!r} is a bytes pattern; tags are str")
-        inline = ((re.IGNORECASE, "i"), (re.MULTILINE, "m"), (re.DOTALL, "s"),
-                  (re.VERBOSE, "x"), (re.ASCII, "a"))
-        letters = "".join(c for f, c in inline if flags & f)
-        if flags & ~(re.IGNORECASE | re.MULTILINE | re.DOTALL | re.VERBOSE | re.ASCII):
-            raise ValueError(f"pattern {p.pattern!r} uses regex flags that cannot be written "
-                             "inline; use i, m, s, x or a only")
-        return _scoped(letters, p.pattern) if letters else p.pattern
-    if not isinstance(p, str):
-        raise TypeError(f"a pattern must be a str or re.Pattern, got {type(p).__name__}: {p!r}")
-    return p
+            raise TypeError(f"{what} pattern {_shown(p.pattern)} is a bytes pattern; tags are "
+                            "str, so give a str pattern (e.g. decoded)")
+        pattern, flags = p.pattern, p.flags
+        if flags & ~_WRITABLE:
+            raise ValueError(f"{what} pattern {_shown(pattern)} uses regex flags that cannot "
+                             "be written inline; valid: re.I, re.M, re.S, re.X, re.A, re.U")
+    elif isinstance(p, str):
+        pattern = p
+        try:
+            flags = re.compile(p).flags
+        except re.error as err:
+            raise ValueError(f"invalid regex {_shown(p)} in {what} patterns: {err}") from None
+        except (RecursionError, OverflowError):
+            raise ValueError(f"regex {_shown(p)} in {what} patterns is too large or nests "
+                             "too deeply") from None
+    else:
+        kind = "bytes" if isinstance(p, (bytes, bytearray, memoryview)) else type(p).__name__
+        raise TypeError(f"a {what} pattern must be a str or a compiled str pattern "
+                        f"(re.Pattern[str]); got {kind}: {_shown(p)}")
+    letters = "".join(c for f, c in _INLINE if flags & f)
+    if not letters and not pattern.startswith("(?"):
+        return pattern
+    # Take the leading global flags off (they may be several, and under verbose be
+    # separated by blanks and comments), then scope every flag in force to the body.
+    body, verbose = pattern, bool(flags & re.VERBOSE)
+    while True:
+        if verbose:
+            body = body[_VERBOSE_GAP.match(body).end():]
+        m = _LEADING_FLAGS.match(body)
+        if m is None:
+            break
+        body = body[m.end():]
+    text = _scoped(letters, body) if letters else body
+    try:
+        ok = (re.compile(text).flags & ~re.UNICODE) == 0
+    except re.error:
+        ok = False
+    if not ok:
+        raise ValueError(f"{what} pattern {_shown(pattern)}: its flags ({letters}) cannot be "
+                         "scoped to it; put global flags such as (?i) at its very start")
+    return text
 
 
 def _scoped(letters: str, body: str) -> str:
@@ -147,25 +193,29 @@ def _balanced(text: str) -> bool:
 
 
 def _normalise(patterns: Patterns, what: str) -> tuple[str, ...]:
+    """The patterns as strings, each flag scoped to its own pattern, split at top-level
+    alternatives, without repeats; in the order given, or sorted when given unordered."""
     if patterns is None:
         return ()
-    items = [patterns] if isinstance(patterns, (str, re.Pattern)) else list(patterns)
+    if isinstance(patterns, (str, re.Pattern, bytes, bytearray, memoryview)):
+        items = [patterns]
+    elif isinstance(patterns, Mapping) or not isinstance(
+            patterns, (Sequence, set, frozenset, Iterable)):
+        raise TypeError(f"{what} patterns must be a str, a compiled pattern, or a list of "
+                        f"them; got {type(patterns).__name__}: {_shown(patterns)}")
+    else:
+        items = list(patterns)
     out: list[str] = []
     for item in items:
-        text = _as_text(item)
-        if text == "":
-            raise ValueError(f"an empty {what} pattern matches only an empty tag; leave it out")
-        try:
-            re.compile(text)
-        except re.error as err:
-            raise ValueError(f"invalid regex {text!r} in {what} patterns: {err}") from None
-        flags = re.match(r"\(\?([aimsux]+)\)", text)
-        if flags:  # leading global flags become scoped ones, so patterns can be joined
-            letters, body = flags.group(1).replace("u", ""), text[flags.end():]
-            text = _scoped(letters, body) if letters else body
+        text = _as_text(item, what)
+        if text == "" or re.fullmatch(r"\(\?[aiLmsux]+:\n?\)", text):
+            raise ValueError(f"an empty {what} pattern ({_shown(item)}) matches only an "
+                             "empty tag; leave it out")
         for part in _alternatives(text):
             if part not in out:
                 out.append(part)
+    if isinstance(patterns, (set, frozenset)):
+        out.sort()  # a set's iteration order differs between processes; fix one
     return tuple(out)
 
 
@@ -281,6 +331,19 @@ class RegexPolicy(NamesPolicy):
                  offload_src: str | None = None, offload_dst: str | None = None,
                  allow_everything: bool = False, allow_offload_on_neuron: bool = False
                  ) -> None:
+        for name, value in (("allow_everything", allow_everything),
+                            ("allow_offload_on_neuron", allow_offload_on_neuron)):
+            if not isinstance(value, bool):
+                raise TypeError(f"RegexPolicy: {name} must be True or False; got "
+                                f"{type(value).__name__}: {_shown(value)}")
+        for name, value in (("offload_src", offload_src), ("offload_dst", offload_dst)):
+            if value is not None and value not in MEMORY_KINDS:
+                raise ValueError(f"RegexPolicy: {name}={_shown(value)} is not a memory kind; "
+                                 f"valid: {', '.join(map(repr, MEMORY_KINDS))}")
+        if offload_src is not None and offload_src == offload_dst:
+            raise ValueError(f"RegexPolicy: offload_src and offload_dst are the same "
+                             f"({offload_src!r}), so nothing would move; valid: 'device' to "
+                             "'pinned_host' (or back)")
         set_ = functools.partial(object.__setattr__, self)
         set_("save", _normalise(save, "save"))
         set_("offload", _normalise(offload, "offload"))
@@ -289,6 +352,24 @@ class RegexPolicy(NamesPolicy):
         set_("allow_everything", allow_everything)
         set_("allow_offload_on_neuron", allow_offload_on_neuron)
         self.__post_init__()
+
+    # Equal as sets: the order of the patterns never changes a decision (save wins over
+    # offload whatever the order), so it does not change equality, the hash, or the
+    # fingerprint processes of a multi-host job compare (`canonical`).
+
+    def canonical(self) -> tuple[Any, ...]:
+        """What the policy decides by, in an order-free, process-independent form:
+        (sorted save patterns, sorted offload patterns, offload_src, offload_dst)."""
+        return (tuple(sorted(set(self.save))), tuple(sorted(set(self.offload))),
+                self.offload_src, self.offload_dst)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RegexPolicy):
+            return NotImplemented
+        return self.canonical() == other.canonical()
+
+    def __hash__(self) -> int:
+        return hash(("RegexPolicy", self.canonical()))
 
     def __post_init__(self) -> None:
         set_ = functools.partial(object.__setattr__, self)
@@ -310,7 +391,8 @@ class RegexPolicy(NamesPolicy):
         if self.offload and (not self.offload_src or not self.offload_dst):
             raise ValueError(
                 f"offload patterns {list(self.offload)} need offload_src and offload_dst "
-                f"(e.g. 'device' and 'pinned_host'); got offload_src={self.offload_src!r}, "
+                f"(valid: {', '.join(map(repr, MEMORY_KINDS))}, e.g. 'device' and "
+                f"'pinned_host'); got offload_src={self.offload_src!r}, "
                 f"offload_dst={self.offload_dst!r}")
         if self.offload and not self.allow_offload_on_neuron and looks_like_neuron():
             raise ValueError(

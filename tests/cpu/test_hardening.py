@@ -290,9 +290,13 @@ def test_override_contradictions_are_refused_and_agreements_recorded():
     found = " | ".join(e.found for e in spec.evidence)
     assert "NEURON_LOGICAL_NC_CONFIG=1 -> LNC=1" in found
     assert "NEURON_RT_VISIBLE_CORES=0-31 -> 32 cores" in found
-    # Named on the command line, the device is the whole instance whatever this process sees.
-    assert dev.parse_device("trn2.48xlarge", source="command line",
-                            environ=env(NEURON_RT_VISIBLE_CORES="0-3")).cores == 64
+    # Named on the command line, the device is read under the same variables as the
+    # override and a detected device (issue 19): this process's cores.
+    named = dev.parse_device("trn2.48xlarge", source="command line",
+                             environ=env(NEURON_RT_VISIBLE_CORES="0-3"))
+    assert named.cores == 4
+    assert "NEURON_RT_VISIBLE_CORES=0-3 -> 4 cores" in " | ".join(e.found for e in named.evidence)
+    assert dev.parse_device("trn2.48xlarge", source="command line", environ=env()).cores == 64
 
 
 @pytest.mark.parametrize("text, words", [

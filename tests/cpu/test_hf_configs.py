@@ -192,3 +192,121 @@ def test_activation_and_bool_fields_accept_only_what_is_known(value):
         return
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         models.from_hf_config({**BASE, "tie_word_embeddings": value})
+
+
+# --- transformers' spellings (attribute_map), OLMo-2, positions, multimodal hint ---------
+
+
+def _qwen3_30b_a3b_by_hand():
+    """Qwen3-30B-A3B's parameters, by arithmetic from its published shape."""
+    hidden, layers, heads, kv, hd, experts, width, vocab = 2048, 48, 32, 4, 128, 128, 768, 151936
+    attention = hidden * heads * hd * 2 + hidden * kv * hd * 2  # q, o; k, v
+    per_layer = attention + 2 * hd + 2 * hidden + hidden * experts + experts * 3 * hidden * width
+    return layers * per_layer + 2 * vocab * hidden + hidden  # untied embeddings, final norm
+
+
+def test_a_qwen3_moe_config_written_by_transformers_loads_exactly():
+    cfg = models.load_hf_config(DATA / "qwen3-30b-a3b-transformers.json")
+    assert _qwen3_30b_a3b_by_hand() == 30_532_122_624
+    assert cfg.param_count() == _qwen3_30b_a3b_by_hand()
+    assert cfg.moe.experts == 128 and cfg.qk_norm and cfg.sliding_window is None
+
+
+# (model_type, the key the loader reads, its other spellings) per transformers' attribute_map
+SPELLINGS = [("mixtral", "num_local_experts", "num_experts"),
+             ("qwen3_moe", "num_experts", "num_local_experts"),
+             ("deepseek_v2", "n_routed_experts", "num_experts"),
+             ("deepseek_v3", "n_routed_experts", "num_local_experts")]
+BASE_FILES = {"mixtral": "mixtral-8x7b.json", "qwen3_moe": "qwen3-30b-a3b.json",
+              "deepseek_v2": "deepseek-v2-lite.json", "deepseek_v3": "deepseek-v3.json"}
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=st.sampled_from(SPELLINGS), experts=st.integers(8, 300), both=st.booleans(),
+       other=st.integers(2, 300))
+def test_every_transformers_spelling_of_a_field_reads_the_same(case, experts, both, other):
+    model_type, key, alias = case
+    base = json.loads((DATA / BASE_FILES[model_type]).read_text())
+    base.pop(key, None)
+    base.pop(alias, None)
+    want = models.from_hf_config({**base, key: experts})
+    got = models.from_hf_config({**base, alias: experts})
+    assert got.moe.experts == want.moe.experts == experts
+    assert got.param_count() == want.param_count()
+    if both:
+        same = models.from_hf_config({**base, key: experts, alias: experts})
+        assert same.moe.experts == experts
+        if other != experts:
+            with pytest.raises(ValueError) as err:
+                models.from_hf_config({**base, key: experts, alias: other})
+            text = str(err.value)
+            assert key in text and alias in text and "\n" not in text
+
+
+OLMO2_7B = {  # allenai/OLMo-2-1124-7B config.json (the keys the loader reads)
+    "architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "hidden_size": 4096,
+    "intermediate_size": 11008, "num_attention_heads": 32, "num_key_value_heads": 32,
+    "num_hidden_layers": 32, "vocab_size": 100352, "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-06, "tie_word_embeddings": False, "attention_bias": False,
+    "hidden_act": "silu", "rope_theta": 500000}
+
+
+def test_olmo2_is_read_with_its_qk_norms_not_as_plain_llama(caplog):
+    cfg = models.from_hf_config(OLMO2_7B)
+    assert cfg.qk_norm
+    plain = models.from_hf_config({**OLMO2_7B, "model_type": "llama"})
+    assert not plain.qk_norm
+    # OLMo 2's q/k norms span the whole projection: 2 x 4096 per layer, not 2 x 128.
+    by_hand = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096 + 2 * 4096) \
+        + 2 * 100352 * 4096 + 4096
+    assert abs(cfg.param_count() - by_hand) == 32 * (2 * 4096 - 2 * 128)
+    assert abs(cfg.param_count() - by_hand) / by_hand < 1e-4
+
+
+def test_an_unknown_family_is_planned_as_llama_with_one_warning(caplog):
+    odd = {**OLMO2_7B, "model_type": "brand_new_arch_x"}
+    with caplog.at_level("WARNING", logger="neuron_remat.models"):
+        models.from_hf_config(odd)
+        models.from_hf_config(odd)
+    warned = [r.getMessage() for r in caplog.records if "brand_new_arch_x" in r.getMessage()]
+    assert len(warned) == 1 and "Llama-like" in warned[0] and "\n" not in warned[0]
+
+
+def test_the_multimodal_hint_names_a_flag_the_cli_has(tmp_path, capsys):
+    path = str(DATA / "llama4-scout.json")
+    assert main(["plan", "--model", path, "--json"]) == 2
+    err = capsys.readouterr()
+    text = (err.err + err.out)
+    assert "--text-only" in text and "Traceback" not in text
+    rc = main(["plan", "--model", path, "--text-only", "--tp", "8", "--seq-len", "2048",
+               "--device", "trn2.48xlarge", "--hosts", "4", "--json"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert json.loads(out.out)["saved_tags"] is not None
+    assert main(["plan", "--model", "llama3-8b", "--text-only"]) == 2
+    assert "--text-only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, seq, words", [
+    ("llama-3-8b.json", 16384, ["max_position_embeddings 8192"]),
+    ("mistral-7b.json", 8192, ["sliding_window 4096 (every layer)"]),
+    ("gemma-2-9b.json", 8192, ["sliding_window 4096 (21 of 42 layers)"]),
+    ("gemma-3-1b.json", 40000, ["sliding_window 512 (22 of 26 layers)",
+                                "max_position_embeddings 32768"]),
+])
+def test_seq_len_past_what_the_config_bounds_is_noted_in_the_plan(name, seq, words):
+    cfg = models.load_hf_config(DATA / name)
+    dev = nr.parse_device("trn2.48xlarge:hbm=1TiB")
+    par = models.Parallelism(tp=1, fsdp=-1)
+    plan = nr.plan(dev, cfg, models.StepShape(seq_len=seq), par)
+    notes = " ".join(plan.notes)
+    for w in words:
+        assert w in notes, plan.notes
+    short = nr.plan(dev, cfg, models.StepShape(seq_len=256), par)
+    assert not any("max_position" in n or "sliding_window" in n for n in short.notes)
+
+
+def test_a_disabled_sliding_window_is_not_noted():
+    qwen = models.load_hf_config(DATA / "qwen2.5-7b.json")
+    assert qwen.sliding_window is None and qwen.max_positions == 131072
+    assert models.shape_notes(qwen, models.StepShape(seq_len=100000)) == ()

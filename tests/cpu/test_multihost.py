@@ -27,11 +27,17 @@ CHILD = textwrap.dedent("""
     out = {"process": pid, "count": jax.process_count(),
            "registered": any(ep.name == "neuron_remat"
                              for ep in entry_points(group="jax_remat_policy"))}
+    if os.environ.get("TEST_SILENT"):  # resolves nothing, publishes nothing
+        import time
+        time.sleep(float(os.environ["TEST_SILENT"]))
+        print("RESULT " + json.dumps(out), flush=True)
+        jax.distributed.shutdown()
+        sys.exit(0)
     try:
         choice = nr.resolve_policy(
             layer=os.environ.get("TEST_LAYER", "decoder.layer"), stack="stacked",
             model="llama3-8b",
-            shape={"seq_len": 8192},
+            shape={"seq_len": int(os.environ.get("TEST_SEQ", "8192"))},
             parallelism={"tp": 4, "fsdp": -1, "sequence_parallel": True, "hosts": 2})
         out["policy"] = multihost.describe_policy(choice.policy, choice.prevent_cse)
         out["provider"] = choice.provider
@@ -47,6 +53,15 @@ CHILD = textwrap.dedent("""
                             parallelism={"tp": 4, "fsdp": -1, "sequence_parallel": True,
                                          "hosts": 2})
         out["direct"] = multihost.describe_policy(direct.policy, direct.prevent_cse)
+        # A host default built from a set (iterated in PYTHONHASHSEED's order), and a set
+        # and JAX's frozenset-holding policy in the context: every process keys alike.
+        from jax.ad_checkpoint import checkpoint_policies as cp
+        names = {f"layer{i}.{n}_proj" for i in range(6) for n in "qkvo"}
+        by_set = nr.resolve_policy(
+            default=nr.RegexPolicy(names), layer="decoder.set_default", stack="stacked",
+            tags=set(names), other_default=cp.save_only_these_names(*names))
+        out["set_default"] = multihost.describe_policy(by_set.policy, by_set.prevent_cse)
+        out["order"] = list(nr.RegexPolicy(names).save)
     except nr.PolicyMismatchError as err:
         out["error"] = str(err)
     print("RESULT " + json.dumps(out), flush=True)
@@ -92,7 +107,9 @@ SAME = {"NEURON_REMAT_DEVICE": "trn2.48xlarge:hbm=8GiB"}
 
 
 def test_two_processes_that_agree(tmp_path):
-    results = _run_pair(tmp_path, [SAME, SAME])
+    # Different hash seeds: sets iterate in different orders in the two processes.
+    results = _run_pair(tmp_path, [{**SAME, "PYTHONHASHSEED": "1"},
+                                   {**SAME, "PYTHONHASHSEED": "2"}])
     assert [r["count"] for r in results] == [2, 2]
     assert all("error" not in r for r in results), results
     assert results[0]["policy"] == results[1]["policy"]
@@ -102,6 +119,8 @@ def test_two_processes_that_agree(tmp_path):
         assert all(r["provider"] == "neuron_remat" for r in results)
     assert results[0]["direct"] == results[1]["direct"]
     assert "RegexPolicy" in results[0]["direct"] and "linear1_0" in results[0]["direct"]
+    assert results[0]["set_default"] == results[1]["set_default"]
+    assert results[0]["order"] == results[1]["order"] == sorted(results[0]["order"])
 
 
 def test_a_host_with_other_visible_cores_is_named(tmp_path):
@@ -126,12 +145,34 @@ def test_a_host_whose_provider_fell_back_is_named(tmp_path):
 
 
 def test_a_process_that_never_answers_is_an_error_not_a_hang(tmp_path):
-    # Process 1 resolves another layer, so nobody publishes what process 0 waits for.
+    # Process 1 publishes nothing at all: only that is a timeout.
     quick = {**SAME, "NEURON_REMAT_AGREEMENT_TIMEOUT": "3"}
-    results = _run_pair(tmp_path, [quick, {**quick, "TEST_LAYER": "decoder.other_layer"}])
+    results = _run_pair(tmp_path, [quick, {**quick, "TEST_SILENT": "6"}])
+    err = results[0]["error"]
+    assert "process 1 of 2 did not publish" in err and "within 3 s" in err
+    assert "NEURON_REMAT_AGREEMENT_TIMEOUT" in err and "\n" not in err
+    assert "error" not in results[1]
+
+
+# The agreement timeout is long (60 s) in the tests below: a disagreement must be reported
+# as a mismatch once every process has published, never as a timeout.
+
+
+def test_a_process_resolving_another_layer_is_a_mismatch_not_a_timeout(tmp_path):
+    results = _run_pair(tmp_path, [SAME, {**SAME, "TEST_LAYER": "decoder.other_layer"}])
     for me, r in enumerate(results):
-        assert f"process {1 - me} of 2 did not publish" in r["error"]
-        assert "within 3 s" in r["error"] and "NEURON_REMAT_AGREEMENT_TIMEOUT" in r["error"]
+        err = r["error"]
+        assert "did not publish" not in err and "asked for different remat policies" in err
+        assert "decoder.other_layer" in err and "'decoder.layer'" in err, err
+        assert "\n" not in err
+
+
+def test_the_same_layer_in_another_context_is_a_mismatch_not_a_timeout(tmp_path):
+    results = _run_pair(tmp_path, [SAME, {**SAME, "TEST_SEQ": "4096"}])
+    for r in results:
+        err = r["error"]
+        assert "did not publish" not in err and "another context" in err, err
+        assert "4096" in err and "8192" in err and "\n" not in err
 
 
 # ----------------------------------------------------------------------------------------
