@@ -582,15 +582,32 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
             if new == carry_unk:
                 break
             carry_unk = new
+        # A known carry the backward reads is not stacked: JAX's staged scan recomputes
+        # the carry chain from its initial value (the carry update is no saveable name).
+        # So each iteration's carry is a value recomputed from the initial carry and what
+        # the update reads, at the update's work times the length.
+        need = {v for v in body.outvars[:nk] if not isinstance(v, jc.Literal)}
+        chain = 0
+        for e in reversed(body.eqns):
+            if any(o in need for o in e.outvars):
+                need.update(a for a in e.invars if not isinstance(a, jc.Literal))
+                chain += eqn_flops(e) + sum(eqn_flops(s) * m for sub, mm in _sub_jaxprs(e)
+                                            for s, m in _walk(sub, mm))
+        update_reads = [n for i, (v, n) in enumerate(zip(body.invars, ins))
+                        if v in need and not nc <= i < nc + nk and n is not None]
         body_ins: list[str | None] = list(ins[:nc])
-        for v, u in zip(body.invars[nc:nc + nk], carry_unk):
+        first = True
+        for v, u, init in zip(body.invars[nc:nc + nk], carry_unk, ins[nc:nc + nk]):
             if u:
                 name = f"dc{counter[0]}"
                 counter[0] += 1
                 unk.add(name)
-            else:  # every iteration's carry: stacked when the backward reads it
+            else:
                 name = fresh(v.aval, inner_lead, "carry")
-                inputs.append(name)
+                srcs = ((init,) if init is not None else ()) + tuple(update_reads)
+                ops.append(Op(f"scan_carry:{len(ops)}", tuple(dict.fromkeys(srcs)), name,
+                              chain * math.prod(inner_lead) if first else 0))
+                first = False
             body_ins.append(name)
         body_ins.extend(ins[nc + nk:])
         outs_named = inline(body, body_ins, inner_lead)
