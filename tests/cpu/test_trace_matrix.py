@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
 import flash_reference as fr
@@ -352,3 +353,68 @@ def test_analytic_flash_branch_matches_the_jax_reference(dtype):
     assert flash.flops == pytest.approx(xla, rel=0.01)
     independent = fr.flash_flops(1, spec.seq, spec.heads, spec.head_dim, block=fr.BLOCK)
     assert xla == pytest.approx(independent, rel=0.01)
+
+
+# --- loops, branches and primitives the graph cannot follow -----------------------------
+
+
+def _mlp(w, x):
+    return jnp.tanh(checkpoint_name(x @ w, "in_loop")) @ w
+
+
+def test_cond_counts_its_costliest_branch_and_says_so():
+    def layer(w, x):
+        big = lambda x: _mlp(w, _mlp(w, x))  # noqa: E731
+        small = lambda x: checkpoint_name(x * 2.0, "only_small")  # noqa: E731
+        return x + jax.lax.cond(jnp.sum(x) > 0, big, small, x)
+
+    w, x = jnp.ones((8, 8)) / 8, jnp.ones((4, 8))
+    fp = nr.traced_footprint(layer, w, x)
+    assert set(fp) == {"in_loop", "only_small"} == _emitted_by_jax(layer, (w, x))
+    assert any("branch 1, the costliest, is counted" in n for n in fp.notes)
+    assert "only in branch 0 of a cond" in fp["only_small"].note
+    assert fp["only_small"].bytes == 0
+
+
+def test_scan_work_is_its_body_times_its_length():
+    def layer(w, x):
+        ys = jax.lax.scan(lambda c, xc: (c, _mlp(w, xc)), None, x.reshape(4, 2, 8))[1]
+        return x + ys.reshape(8, 8)
+
+    w, x = jnp.ones((8, 8)) / 8, jnp.ones((8, 8))
+    fp = nr.traced_footprint(layer, w, x, activation_argnums=1)
+    # Saving the tag avoids its matmul in each of the 4 iterations (2 x 2 x 8 x 8 FLOPs
+    # each) and costs one rounding per kept element (JAX's reduce_precision).
+    assert fp["in_loop"].recompute_flops == 4 * 2 * 2 * 8 * 8 - 4 * 2 * 8
+    assert fp["in_loop"].bytes == 4 * 2 * 8 * 4  # stacked over the length
+    want = jax_kept(jax.checkpoint(layer, policy=_policy(["in_loop"])), (w, x), 1)[0]
+    assert fp.evaluate(["in_loop"])[0] == want
+
+
+def test_while_loop_is_named():
+    def layer(w, x):
+        n = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, checkpoint_name(
+            c[1] * 2, "in_while")), (0, jnp.ones(3)))[1]
+        return x + checkpoint_name(x @ w, "out") * jnp.sum(n)
+
+    w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
+    fp = nr.traced_footprint(layer, w, x)
+    assert "trip count" in fp["in_while"].note and fp["in_while"].bytes == 0
+    assert any("while_loop with an unknown trip count" in n for n in fp.notes)
+
+    def differentiated(w, x):
+        return jax.lax.while_loop(lambda c: jnp.sum(c) < 100.0, lambda c: c @ w, x)
+
+    with pytest.raises(ValueError, match="cannot differentiate a while_loop"):
+        nr.traced_footprint(differentiated, w, x)
+
+
+def test_an_unknown_primitive_holding_a_jaxpr_is_named():
+    def layer(w, x):
+        a = w.T @ w + 8 * jnp.eye(8)
+        sol = jax.lax.custom_linear_solve(lambda v: a @ v, x[0], lambda mv, b: b / 8.0)
+        return x + checkpoint_name(sol, "s")
+
+    w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
+    with pytest.raises(ValueError, match="custom_linear_solve"):
+        nr.traced_footprint(layer, w, x)
