@@ -424,8 +424,31 @@ def _unknown_outs(jaxpr: Any, unknown_in: Sequence[bool]) -> list[bool]:
     pass: an equation with any unknown input has unknown outputs)."""
     unk = {v for v, u in zip(jaxpr.invars, unknown_in) if u}
     for eqn in jaxpr.eqns:
-        if any(not isinstance(a, jc.Literal) and a in unk for a in eqn.invars):
+        ins = [not isinstance(a, jc.Literal) and a in unk for a in eqn.invars]
+        if not any(ins):
+            continue
+        prim = str(eqn.primitive)
+        inner = _inner(eqn) if prim in _CALLS else None
+        outs: list[bool] | None = None
+        if inner is not None and len(inner[0].invars) == len(ins):
+            outs = _unknown_outs(inner[0], ins)  # a call: output by output
+        elif prim == "scan":
+            body = eqn.params["jaxpr"].jaxpr
+            nc, nk = int(eqn.params["num_consts"]), int(eqn.params["num_carry"])
+            carry = ins[nc:nc + nk]
+            while True:
+                outs = _unknown_outs(body, [*ins[:nc], *carry, *ins[nc + nk:]])
+                new = [a or b for a, b in zip(carry, outs[:nk])]
+                if new == carry:
+                    break
+                carry = new
+        elif prim == "cond":
+            per = [_unknown_outs(b.jaxpr, ins[1:]) for b in eqn.params["branches"]]
+            outs = [any(col) for col in zip(*per)] if not ins[0] else None
+        if outs is None or len(outs) != len(eqn.outvars):
             unk.update(eqn.outvars)
+        else:
+            unk.update(o for o, u in zip(eqn.outvars, outs) if u)
     return [not isinstance(o, jc.Literal) and o in unk for o in jaxpr.outvars]
 
 
