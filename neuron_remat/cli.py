@@ -358,8 +358,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     try:
         report = run_audit(fn, *fargs, policy=policy)
     except LayerError as err:  # the user's function failed to trace (a bug of ours is not)
-        raise UsageError(f"auditing {args.target}: tracing it raised "
-                         f"{type(err).__name__}: {err}") from err
+        raise UsageError(f"auditing {args.target}: {err}") from err
     if args.json:
         _print_json(report.to_dict())
     else:
