@@ -45,8 +45,9 @@ def _forward(q, k, v, causal, block):
         sc = jnp.einsum("bskgd,btkd->bkgst", qg[:, start:stop], k[:, :keys]).astype(
             jnp.float32) * (d ** -0.5)
         if causal:
-            rows = jnp.arange(start, stop)[:, None]
-            cols = jnp.arange(keys)[None, :]
+            # iota, not arange: JAX 0.7 hoists an offset arange into a constant it keeps
+            rows = jax.lax.broadcasted_iota(jnp.int32, (stop - start, keys), 0) + start
+            cols = jax.lax.broadcasted_iota(jnp.int32, (stop - start, keys), 1)
             sc = jnp.where(rows >= cols, sc, -jnp.inf)
         m = jnp.max(sc, axis=-1, keepdims=True)
         e = jnp.exp(sc - m)
