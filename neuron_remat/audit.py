@@ -9,11 +9,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import jax
+
 from . import _trace
 from ._format import fmt_bytes, grid
 from .policies import RegexPolicy
 
-__all__ = ["AuditReport", "DeadPatternError", "TagAudit", "audit"]
+__all__ = ["AuditReport", "DeadPatternError", "LayerError", "TagAudit", "audit"]
+
+
+class LayerError(ValueError):
+    """The user's function itself failed to trace with the given arguments (as it would
+    under ``jax.eval_shape``): its error, not neuron_remat's."""
+
 
 class DeadPatternError(ValueError):
     """A pattern matched none of the tags the function emits (``audit(strict=True)``)."""
@@ -100,13 +108,24 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
     `fn` is one layer, or a stack of layers without its own ``jax.checkpoint``. The layer
     input is the argument matching the output's structure, shapes and dtypes (as in
     `traced_footprint`; `activation_argnums` overrides); the other arguments are parameters,
-    whose kept bytes are reported apart. When no single argument matches (`fn` is a loss,
-    not a layer), every argument counts as an input. With ``strict=True`` a dead pattern raises
-    `DeadPatternError`.
+    whose kept bytes are reported apart. Arguments take the forms `traced_footprint`
+    takes (keywords, static Python values, integer, boolean and key arrays). A function
+    that fails to trace with these arguments raises `LayerError`. When no single argument
+    matches (`fn` is a loss, not a layer), every argument counts as an input. With
+    ``strict=True`` a dead pattern raises `DeadPatternError`.
     """
     if not isinstance(policy, RegexPolicy):
         raise TypeError(f"audit needs a RegexPolicy, got {policy!r}; wrap names with "
                         "RegexPolicy([re.escape(name), ...])")
+    call = _trace.bind_call(fn, args, kwargs)
+    try:
+        jax.eval_shape(call.fn, *call.args)
+    except Exception as err:  # noqa: BLE001  the user's function, failing as it will
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise LayerError(f"{name} raised {type(err).__name__} when traced with these "
+                         f"arguments: {str(err).splitlines()[0] if str(err) else ''}"
+                         ) from err
+    fn, args, kwargs = call.fn, call.args, {}
     try:
         acts = _trace.resolve_activation_argnums(fn, args, kwargs, activation_argnums)
     except ValueError:
@@ -114,7 +133,7 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
             raise
         # Not a layer (a loss, a function with several outputs): no argument is the layer
         # input, so every argument JAX keeps is reported as an input, as JAX sees it.
-        acts = tuple(range(len(args)))
+        acts = tuple(range(call.n_positional))
     infos = _trace.emitted_tags(fn, args, kwargs)
     names = [i.name for i in infos]
     patterns = [*policy.save, *policy.offload]

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import device as dev
-from .audit import audit as run_audit
+from .audit import LayerError, audit as run_audit
 from . import memory_model as mm
 from . import models, planner, policies
 
@@ -360,9 +360,8 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     fn, fargs = _load_factory(args.target)
     try:
         report = run_audit(fn, *fargs, policy=policy)
-    except Exception as err:  # noqa: BLE001  tracing the user's function, with their args
-        raise UsageError(f"auditing {args.target}: tracing it raised "
-                         f"{type(err).__name__}: {err}") from err
+    except LayerError as err:  # the user's function failed to trace (a bug of ours is not)
+        raise UsageError(f"auditing {args.target}: {err}") from err
     if args.json:
         _print_json(report.to_dict())
     else:

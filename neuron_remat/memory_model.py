@@ -137,8 +137,7 @@ def layer_graph(config: TransformerConfig, shape: StepShape,
     if config.flash_attention:
         lse = b * heads * s * 4
         ctx = val("context", (t_full, heads, d), "context", extra_bytes=lse)
-        causal = 0.5 if config.causal else 1.0  # kernels skip fully masked blocks
-        attn = int(causal * (4 * b * heads * s * s * d + 5 * b * heads * s * s))
+        attn = flash_forward_flops(b, s, heads, d, causal=config.causal, convert=bool(cvt))
         ops.append(Op("flash_attention", (q, k, v), ctx, attn, needs=(q, k, v, ctx)))
     else:
         scores = matmul("scores", q, (b, heads, s, s), d, None, batch=True, reads=(q, k),
@@ -177,6 +176,26 @@ def layer_graph(config: TransformerConfig, shape: StepShape,
     out = val("out", (t_rep, h))
     ops.append(Op("residual2", (x1, y), out, t_rep * h))
     return LayerGraph(values=values, ops=tuple(ops))
+
+
+FLASH_BLOCK = 128  # query rows per block of a flash-attention kernel
+
+
+def flash_forward_flops(b: int, s: int, heads: int, d: int, *, causal: bool = True,
+                        convert: bool = False, block: int = FLASH_BLOCK) -> int:
+    """FLOPs of a flash-attention forward (XLA's count of the same computation): per score
+    element it computes, two multiply-adds per head dimension (q.k and p.v) and the scale,
+    causal mask, row max, subtraction and row sum (plus a conversion each way when the
+    activations are narrower than the float32 scores); per output element the final
+    division; per row the log-sum-exp. A causal kernel works in blocks of `block` query
+    rows and reads, for each, only the keys up to its last row: ``(n + 1) / 2n`` of the
+    score matrix for ``n`` blocks (diagonal blocks are computed whole)."""
+    elems = 0
+    for start in range(0, s, block):
+        rows = min(start + block, s) - start
+        elems += rows * (min(start + block, s) if causal else s)
+    per = 4 * d + 4 + (1 if causal else 0) + (2 if convert else 0)
+    return b * heads * (elems * per + s * d + s)
 
 
 def _fused_qkv(val: Any, matmul: Any, ops: list[Op], n1: str, t_full: int, heads: int,

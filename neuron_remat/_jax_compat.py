@@ -1,0 +1,59 @@
+"""Every JAX name outside JAX's public API that neuron_remat relies on, in one place.
+
+Tested with JAX 0.7.2, 0.8.3 and 0.10.2 (CI runs ``tests/cpu/test_trace*.py`` on each, and
+under ``JAX_REMAT3=true``). Each name below says why no public one serves, and what happens
+on a JAX without it. Public names are used wherever JAX has one:
+``jax.checkpoint_policies.save_only_these_names`` (not ``jax._src.ad_checkpoint``),
+``jax.extend.core`` for jaxpr types, ``jax.dtypes`` for dtype tests.
+
+Private names:
+
+* ``jax._src.ad_checkpoint.name_p``: the primitive ``checkpoint_name`` binds. Needed to
+  recognise a tag in a jaxpr and to ask a policy about a tag (``policy(name_p, name=t)``).
+  Present in every tested version.
+* ``jax._src.ad_checkpoint.CheckpointName``: the tag under JAX's new remat
+  (``jax_remat3``, JAX >= 0.10); None before.
+* ``jax._src.ad_checkpoint.saved_residuals``: JAX's own residual listing, which tests use as
+  ground truth (the package reads residuals from the traced VJP's structure instead).
+* ``jax._src.ad_checkpoint.SaveOnlyTheseNames``, ``SaveAnyNamesButThese``,
+  ``DotsSaveable``: the policy classes of JAX >= 0.9 (policies are plain functions before);
+  None where absent.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax._src import ad_checkpoint as _ad_checkpoint  # private: see the module docstring
+from jax.extend import core as jex_core
+
+__all__ = ["CHECKPOINT_NAME", "ClosedJaxpr", "Jaxpr", "Literal", "NAME_PRIMITIVE", "Var",
+           "is_name_primitive", "name_p", "policy_class", "save_only_these_names",
+           "saved_residuals", "shard_map"]
+
+name_p: Any = _ad_checkpoint.name_p
+NAME_PRIMITIVE = str(name_p)
+CHECKPOINT_NAME: Any = getattr(_ad_checkpoint, "CheckpointName", None)  # JAX >= 0.10
+saved_residuals: Any = _ad_checkpoint.saved_residuals
+
+ClosedJaxpr = jex_core.ClosedJaxpr
+Jaxpr = jex_core.Jaxpr
+Literal = jex_core.Literal
+Var = jex_core.Var
+
+save_only_these_names = jax.checkpoint_policies.save_only_these_names  # public
+
+# jax.shard_map is public from JAX 0.7; the experimental module before (and a deprecated
+# alias after). Only tests and examples call it; the package recognises its primitive by name.
+shard_map: Any = getattr(jax, "shard_map", None)
+
+
+def is_name_primitive(prim: Any) -> bool:
+    """Whether `prim` is the primitive ``checkpoint_name`` binds."""
+    return prim is name_p or str(prim) == NAME_PRIMITIVE
+
+
+def policy_class(name: str) -> Any:
+    """A policy class of JAX >= 0.9 (``"SaveOnlyTheseNames"``, ...), or None."""
+    return getattr(_ad_checkpoint, name, None)
