@@ -234,10 +234,36 @@ def plan_trainer(trainer_cfg: Any, *, device: DeviceSpec | None = None,
         raise ValueError(f"hosts={hosts!r}: give the number of processes, a positive integer")
     desc = describe_trainer(trainer_cfg, device=dev, hosts=hosts or _process_count(),
                             stack_path=stack_path)
-    chosen = planner.plan(dev, desc.config, desc.shape, desc.parallelism, reserve=reserve)
+    try:
+        chosen = planner.plan(dev, desc.config, desc.shape, desc.parallelism, reserve=reserve)
+    except planner.NoFitError as err:
+        raise planner.NoFitError(f"{err} {_axlearn_knobs(trainer_cfg, desc)}") from None
     planner.refuse_dead_patterns(chosen.policy, desc.emitted, host=f"{desc.layer_path}")
     return TrainerPlan(desc, chosen, _settings(chosen.policy, kind == "stacked",
                                                desc.layer_path))
+
+
+def _axlearn_knobs(trainer_cfg: Any, desc: TrainerDescription) -> str:
+    """What to change in the trainer config, in axlearn's terms, when nothing fits."""
+    c, p, shape = desc.config, desc.parallelism, desc.shape
+    attn = f"{desc.layer_path}.self_attention.attention"
+    knobs = []
+    if not c.flash_attention:
+        knobs.append(f"use flash attention: {attn} is {c.name.split()[1]}; set it to "
+                     "FlashAttention (the fuji '-flash' configs), which on Neuron runs the NKI "
+                     "kernel and holds no seq x seq scores")
+    batch = getattr(getattr(getattr(trainer_cfg, "input", None), "input_dispatcher", None),
+                    "global_logical_batch_size", None)
+    knobs.append(
+        f"lower the micro-batch (now {shape.micro_batch} x {shape.seq_len} tokens per replica): "
+        f"a smaller input.input_dispatcher.global_logical_batch_size (now {batch}), or "
+        "gradient accumulation (a GradientAccumulationModifier with grad_acc_steps=N in the "
+        "mesh rule)")
+    knobs.append(
+        f"change the mesh in the mesh rule's MeshShapeModifier (now model={p.tp} fsdp={p.fsdp}"
+        f" data={p.dp} over {p.hosts} host(s)): more hosts (fsdp=-1 grows with them), or "
+        f"model={2 * p.tp} where it divides num_heads={c.heads}")
+    return "In axlearn's terms: " + "; ".join(knobs) + "."
 
 
 # --------------------------------------------------------------------------------------
