@@ -179,6 +179,33 @@ def test_not_strict_keeps_the_rules_spec_and_warns_once(axlearn, trn2, caplog):
     assert len(warnings) == 1 and "NoFitError" in warnings[0].getMessage()
 
 
+@pytest.mark.skipif(not fx.REAL, reason="needs a real axlearn (see README, axlearn)")
+@pytest.mark.parametrize("name, size, kw, hosts", [
+    ("fuji-70B-v3-flash", "70B", {}, 64), ("fuji-7B-v3-flash-single-host", "7B",
+                                         {"single_host": True}, 1)])
+def test_the_fixtures_read_as_axlearns_own_fuji_configs(name, size, kw, hosts):
+    """On a real axlearn: fuji.py's own trainer config, after its TRN2 mesh rule, reads
+    field for field as the fixture's, and plans alike."""
+    from axlearn.common.config import config_for_function
+    from axlearn.common.trainer import select_mesh_config
+    from axlearn.experiments.text.gpt import fuji
+
+    def source(*, vocab_size, max_sequence_length):
+        return config_for_function(fx.lm_source).set(
+            vocab_size=vocab_size, max_sequence_length=max_sequence_length)
+
+    own = fuji.trainer_configs(source, lambda **_: {})[name]()
+    select_mesh_config(own, mesh_selector=fx.TRN2_SELECTOR)
+    ours = fx.launched(fx.fuji(size, **kw))
+    theirs = ax.describe_trainer(own, device=TRN2, hosts=hosts)
+    mine = ax.describe_trainer(ours, device=TRN2, hosts=hosts)
+    assert dataclasses.replace(theirs.config, name="") == dataclasses.replace(mine.config, name="")
+    assert (theirs.shape, theirs.parallelism, theirs.stack_class, theirs.emitted) == (
+        mine.shape, mine.parallelism, mine.stack_class, mine.emitted)
+    assert theirs.sources == mine.sources
+    assert _saved_by(_spec(own)) == _saved_by(_spec(ours))  # the rule's own remat_spec
+
+
 # --- Fuji-7B ------------------------------------------------------------------------------
 
 
