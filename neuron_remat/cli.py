@@ -251,7 +251,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _maxtext(chosen: planner.Plan) -> dict[str, str] | None:
-    if chosen.config is None or chosen.config.tags.vocabulary != "maxtext":
+    if chosen.config is None or models.host_of(chosen.config.tags) != "maxtext":
         return None
     from .adapters import maxtext  # noqa: PLC0415
 

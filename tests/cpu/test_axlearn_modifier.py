@@ -315,7 +315,8 @@ def test_fused_qkv_matches_what_jax_recomputes(saved, recomputes_matmul):
 def test_on_neuron_axlearn_emits_no_flash_tag_and_attention_is_recomputed():
     assert models.host_tags(models.AXLEARN_TAGS, TRN2) is models.AXLEARN_NEURON_TAGS
     assert models.host_tags(models.AXLEARN_TAGS, nr.parse_device("cpu")) is models.AXLEARN_TAGS
-    assert models.host_tags(models.MAXTEXT_TAGS, TRN2) is models.MAXTEXT_TAGS
+    assert models.host_tags(models.MAXTEXT_TAGS, TRN2) is models.MAXTEXT_NEURON_TAGS
+    assert models.host_tags(models.MAXTEXT_TAGS, nr.parse_device("cpu")) is models.MAXTEXT_TAGS
     flash = dataclasses.replace(nr.get_model("fuji-70b"), tags=models.AXLEARN_NEURON_TAGS)
     native = dataclasses.replace(flash, flash_attention=False)
     assert "context" not in flash.roles and "context" in native.roles
@@ -338,6 +339,54 @@ def test_built_in_trn2_plans_name_no_tag_neuron_never_emits():
     fp = mm.layer_footprint(nr.get_model("fuji-70b"), nr.StepShape(seq_len=8192),
                             nr.Parallelism(tp=4))
     assert "flash_residuals" in fp
+
+
+# Names each host's GPU/TPU flash kernels tag, which no Neuron kernel emits: axlearn's
+# ``flash_residuals`` (flash_attention/gpu_attention.py, tpu_attention.py at 34aed43c; its
+# FlashAttention layer tags no ``context`` either) and MaxText's ``context`` (cuDNN and
+# splash kernels in layers/attention_op.py at e591f30c).
+NOT_ON_NEURON = {("axlearn", True): {"flash_residuals", "context"},
+                 ("axlearn", False): {"flash_residuals"},
+                 ("maxtext", True): {"context"}, ("maxtext", False): {"context"}}
+BIG_TRN2 = nr.parse_device("trn2.48xlarge:hbm=1TiB")  # room to save every tag that pays
+
+
+@pytest.mark.parametrize("host, tags", [("axlearn", models.AXLEARN_TAGS),
+                                        ("maxtext", models.MAXTEXT_TAGS)])
+@pytest.mark.parametrize("flash", [True, False])
+def test_on_neuron_no_host_vocabulary_plans_a_tag_the_host_does_not_emit(host, tags, flash):
+    dead = NOT_ON_NEURON[host, flash]
+    names = set(dead) | {f"FlashAttention.{n}" for n in dead}
+    for name in nr.MODELS:
+        config = dataclasses.replace(nr.get_model(name), flash_attention=flash, tags=tags)
+        planned = nr.plan(BIG_TRN2, config, nr.StepShape(seq_len=4096),
+                          nr.Parallelism(tp=4, sequence_parallel=True, fsdp=-1, hosts=8))
+        assert not dead & set(planned.saved_tags), (name, planned.saved_tags)
+        assert not any(planned.policy.action(n) != "recompute" for n in names), name
+        assert planned.saved_tags  # the budget is roomy: something is saved
+    if not flash:
+        return
+    # The same flash layer off Neuron is tagged with that name, and it pays: the test can
+    # fail.
+    off = mm.layer_footprint(dataclasses.replace(nr.get_model("llama3-8b"), tags=tags,
+                                                 flash_attention=flash),
+                             nr.StepShape(seq_len=4096), nr.Parallelism(tp=4))
+    on_gpu = "flash_residuals" if host == "axlearn" else "context"
+    assert on_gpu in off and off[on_gpu].recompute_flops > 0
+
+
+def test_cli_maxtext_plan_on_trn2_keeps_context_recomputed(capsys):
+    """The issue's case: ``plan --model llama3-8b --tags maxtext`` on TRN2 saved ``context``."""
+    import json
+
+    from neuron_remat.cli import main
+
+    assert main(["plan", "--model", "llama3-8b", "--tags", "maxtext", "--device",
+                 "trn2.48xlarge", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "context" not in out["saved_tags"]
+    assert out["maxtext_overrides"]["remat_policy"] == "custom"
+    assert out["maxtext_overrides"]["context"] == "remat"
 
 
 def test_dead_patterns_are_refused_where_the_names_are_known():
