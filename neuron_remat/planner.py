@@ -520,6 +520,8 @@ def plan(
     if fp.no_remat_bytes and fp.no_remat_bytes <= per_layer:
         notes.append(f"no remat at all would fit too ({fmt_bytes(fp.no_remat_bytes)}/layer): "
                      "untagged values (norms, softmax) are then not recomputed either")
+    if config is not None and shape is not None and par is not None:
+        notes.extend(_untagged_notes(config, shape, par, fp, best))
     ordered = [t for t in names if t in decisions]
     return Plan(
         policy=policy, saved_tags=tuple(t for t in names if t in best.tags),
@@ -533,6 +535,66 @@ def plan(
         notes=tuple(notes),
         groups=tuple(GroupDecision(g.tags, g.label, g.bytes, g.recompute_flops, g.alone_flops,
                                    g.shared, set(g.tags) <= set(best.tags)) for g in groups))
+
+
+# What an untagged role is, for the note that names the tag that would help.
+_UNTAGGED_WHAT = {
+    "moe_linear1_0": "the routed experts' first (gate) projection",
+    "moe_linear1_1": "the routed experts' up projection",
+    "moe_linear2": "the routed experts' down projection",
+    "gate_weights": "the router's top-k weights", "gate_assignment": "the router's top-k choice",
+    "q_a": "the low-rank query projection", "q_a_norm": "the normalised low-rank query",
+    "kv_a": "the key-value latent", "kv_a_norm": "the normalised key-value latent",
+    "input": "the layer input", "q_proj": "the query projection", "k_proj": "the key projection",
+    "v_proj": "the value projection", "o_proj": "the output projection",
+    "linear1_0": "the FFN's first projection", "linear1_1": "the FFN's up projection",
+    "linear2": "the FFN's down projection"}
+_HOST_DETAIL = {"axlearn": " (axlearn's mixture_of_experts.py einsums wi_0, wi_1 and wo carry "
+                           "no remat name)"}
+
+
+def _untagged_notes(config: models.TransformerConfig, shape: models.StepShape,
+                    par: models.Parallelism, fp: mm.Footprint, best: Choice) -> list[str]:
+    """A note when most of the plan's recompute is work no tag of the host covers (saving
+    every tag would still recompute it), naming the roles whose tags would let a plan save
+    it and how much each would avoid. The attention kernel's own residuals are left out: a
+    host cannot tag inside a kernel."""
+    if best.recompute_flops <= 0:
+        return []
+    _, floor = fp.evaluate(tuple(fp))
+    if floor < 0.5 * best.recompute_flops:
+        return []
+    tags = config.tags
+    missing = [r for r in (*models.ROLES, *models.MOE_ROLES, *models.MLA_ROLES)
+               if r != "context" and getattr(tags, r, None) is None]
+    proposed = {r: models.MAXTEXT_TAGS.name(r) or models.AXLEARN_TAGS.name(r) or r
+                for r in missing}
+    hyp = dataclasses.replace(config, tags=dataclasses.replace(
+        tags, vocabulary=f"{tags.vocabulary}+untagged", **proposed))
+    new = [r for r in hyp.roles if r in proposed]
+    if not new:
+        return []
+    hfp = mm.layer_footprint(hyp, shape, par)
+    have = tuple(t for t in fp if t in hfp)
+    gains = []
+    for r in new:
+        name = hyp.tag(r)
+        if name in hfp and name not in have:
+            gain = floor - hfp.evaluate(have + (name,))[1]
+            if gain > 0.01 * floor:
+                gains.append((gain, r, name))
+    if not gains:
+        return []
+    gains.sort(reverse=True)
+    host = models.host_of(tags)
+    detail = _HOST_DETAIL.get(host, "") if any(r.startswith("moe_") for _, r, _ in gains) \
+        else ""
+    helps = "; ".join(f"{name!r} ({r}) up to {g / 1e9:.4g}" for g, r, name in gains)
+    return [f"{floor / 1e9:.4g} of the {best.recompute_flops / 1e9:.4g} GFLOP/layer this plan "
+            f"recomputes is work no {host} tag covers (saving every tag still recomputes it):"
+            f" {host} tags nothing on {', '.join(_UNTAGGED_WHAT.get(r, r) for _, r, _ in gains)}"
+            f"{detail}. A checkpoint_name there would let a plan save it; GFLOP/layer each "
+            f"would avoid: {helps}"]
 
 
 def dead_patterns(policy: RegexPolicy, names: Iterable[str]) -> list[str]:

@@ -545,3 +545,30 @@ def test_under_remat3_the_spec_names_a_policy_jax_honours(axlearn, trn2, caplog)
     assert isinstance(policy, ad_checkpoint.SaveOnlyTheseNames)
     assert "FlashAttention.q_proj" in policy.saveable_names
     assert sum("jax_remat3 is on" in r.message for r in caplog.records) == 1
+
+
+# --- notes where nothing can be saved ---------------------------------------------------------
+
+
+def test_axlearn_moe_note_names_the_untagged_expert_einsums():
+    """Mixtral with axlearn's names: the expert einsums carry no remat name, so nothing can
+    save them; the plan says so and names the tags that would help, each avoiding one
+    expert projection: tokens x top-k x 2 x hidden x ffn / tp FLOPs per core."""
+    shape, par = nr.StepShape(seq_len=4096), nr.Parallelism(tp=4, sequence_parallel=True,
+                                                            fsdp=-1)
+    planned = nr.plan(TRN2, nr.get_model("mixtral-8x7b"), shape, par)
+    note = next(n for n in planned.notes if "no axlearn tag covers" in n)
+    assert "wi_0, wi_1 and wo carry no remat name" in note
+    one_projection = 4096 * 2 * 2 * 4096 * 14336 / 4
+    for tag in ("moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo"):
+        assert f"'{tag}' (moe_linear" in note
+        assert f"up to {one_projection / 1e9:.4g}" in note
+    assert f"note: {note}" in planned.table()
+    # MaxText tags its experts: the plan saves them and needs no such note.
+    maxtext = nr.plan(TRN2, dataclasses.replace(nr.get_model("mixtral-8x7b"),
+                                                tags=models.MAXTEXT_TAGS), shape, par)
+    assert not any("tag covers" in n for n in maxtext.notes)
+    assert "moe_mlpwi_1" in maxtext.saved_tags
+    # A dense layer has no untagged role that would help.
+    dense = nr.plan(TRN2, nr.get_model("fuji-7b-v3"), shape, par)
+    assert not any("tag covers" in n for n in dense.notes)
