@@ -263,13 +263,78 @@ class Plan:
             f" x {self.inflight} in flight; recompute "
             f"{self.recompute_flops_per_layer / 1e9:.4g} GFLOP/layer"
             + (f" ({100 * self.overhead:.2f}% of a step)" if self.forward_flops_per_layer else ""))
-        for c in self.runner_ups:
-            lines.append(f"runner-up: {list(c.tags)}: {fmt_bytes(c.kept_bytes)}/layer, "
-                         f"{c.recompute_flops / 1e9:.4g} GFLOP/layer")
+        lines.extend(self._runner_up_lines())
         lines.extend(f"note: {n}" for n in self.notes)
-        lines.append(f"policy: {self.policy!r}")
         lines.append(f"regex:  {self.policy.save_regex or '(save nothing)'}")
+        how, line = self.paste()
+        lines.append(f"# {how}:")
+        lines.append(line)
         return "\n".join(lines)
+
+    def _runner_up_lines(self) -> list[str]:
+        """Runner-ups, with exact ties (same bytes and recompute) on one line; a set that
+        ties the plan itself is shown as a tie, not as worse."""
+        best = (self.kept_bytes_per_layer, self.recompute_flops_per_layer)
+        tied: list[tuple[tuple[int, float], list[tuple[str, ...]]]] = []
+        for c in self.runner_ups:
+            key = (c.kept_bytes, c.recompute_flops)
+            same = next((g for g in tied if g[0] == key), None)
+            if same is None:
+                tied.append((key, [c.tags]))
+            else:
+                same[1].append(c.tags)
+        lines = []
+        for (kept, flops), sets in tied:
+            alts = " or ".join(str(list(t)) for t in sets)
+            cost = f"{fmt_bytes(kept)}/layer, {flops / 1e9:.4g} GFLOP/layer"
+            if (kept, flops) == best:
+                lines.append(f"tie: {alts}: {cost}, exactly as good as the plan")
+            else:
+                lines.append(f"runner-up{' (tied)' if len(sets) > 1 else ''}: {alts}: {cost}")
+        return lines
+
+    @property
+    def host(self) -> str:
+        """Whose tag names were planned: ``axlearn``, ``maxtext``, or ``jax`` (a user's own
+        names or a traced footprint)."""
+        host = models.host_of(self.config.tags) if self.config is not None else "jax"
+        return host if host in ("axlearn", "maxtext") else "jax"
+
+    def paste(self) -> tuple[str, str]:
+        """(where it goes, the line to paste) for the host whose tags were planned:
+        axlearn's ``remat_spec`` assignment, MaxText's ``remat_policy=custom`` keys, or a
+        ``jax.checkpoint`` call (also what Flax's ``nn.remat`` and Equinox's
+        ``filter_checkpoint`` take as ``policy=``)."""
+        regex = self.policy.save_regex
+        if self.host == "axlearn":
+            from .policies import active_remat  # noqa: PLC0415
+
+            fn = ("neuron_remat.policies.save_and_offload_only_these_names_regex"
+                  if active_remat() == "remat3" else "save_and_offload_only_these_names_regex")
+            return ("axlearn: in the trainer config after the mesh rules, prevent_cse=False for "
+                    "RepeatedTransformerLayer (or put remat_plan_modifier() last in the TRN2 "
+                    "mesh rule to plan at launch)",
+                    "cfg.model.decoder.transformer.layer.remat_spec = RematSpec(prevent_cse=True,"
+                    f" policy=config_for_function({fn}).set(names_which_can_be_saved="
+                    f"{regex!r}, names_which_can_be_offloaded=None, offload_src=None, "
+                    "offload_dst=None))")
+        if self.host == "maxtext":
+            assert self.config is not None
+            keys = {"remat_policy": "custom"}
+            for role in self.config.roles:
+                tag = self.config.tag(role)
+                if tag is not None:
+                    keys[tag] = "device" if role == "input" or tag in self.saved_tags else \
+                        "remat"
+            return ("MaxText: on the command line (or the same keys in the config YAML)",
+                    " ".join(f"{k}={v}" for k, v in keys.items()))
+        prefixed = self.config is not None and self.config.tags.prefixed
+        names = ", ".join(repr(t) for t in self.saved_tags)
+        policy = (f"neuron_remat.RegexPolicy({list(self.policy.save)!r})" if prefixed else
+                  f"jax.checkpoint_policies.save_only_these_names({names})")
+        return ("JAX: prevent_cse=False inside lax.scan; Flax nn.remat and Equinox "
+                "filter_checkpoint take the same policy=",
+                f"layer = jax.checkpoint(layer, policy={policy}, prevent_cse=True)")
 
 
 def _solve(footprint: mm.Footprint, candidates: Sequence[str], budget: int,

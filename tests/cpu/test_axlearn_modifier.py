@@ -572,3 +572,28 @@ def test_axlearn_moe_note_names_the_untagged_expert_einsums():
     # A dense layer has no untagged role that would help.
     dense = nr.plan(TRN2, nr.get_model("fuji-7b-v3"), shape, par)
     assert not any("tag covers" in n for n in dense.notes)
+
+
+# --- the line to paste ------------------------------------------------------------------------
+
+
+def test_an_axlearn_plan_ends_in_a_remat_spec_line_axlearn_runs(axlearn):
+    """The last line of the table, run against axlearn's own RematSpec, config_for_function
+    and save_and_offload_only_these_names_regex, gives a spec whose closure keeps the
+    planned tags."""
+    from axlearn.common.base_layer import RematSpec
+    from axlearn.common.config import config_for_function
+    from axlearn.common.utils import save_and_offload_only_these_names_regex
+
+    planned = nr.plan(TRN2, nr.get_model("fuji-70b-v3"), nr.StepShape(seq_len=8192,
+                                                                       micro_batch=2),
+                      nr.Parallelism(tp=4, sequence_parallel=True, fsdp=-1, hosts=64))
+    how, line = planned.paste()
+    assert planned.table().splitlines()[-1] == line and "remat_plan_modifier()" in how
+    cfg = _launch("70B", None)
+    exec(line, {"cfg": cfg, "RematSpec": RematSpec,  # noqa: S102  as a user pastes it
+                "config_for_function": config_for_function,
+                "save_and_offload_only_these_names_regex":
+                    save_and_offload_only_these_names_regex})
+    assert _saved_by(_spec(cfg)) == _matching(["q_proj", "k_proj", "v_proj", "o_proj"])
+    assert _spec(cfg).prevent_cse is True  # the TRN2 rule's StackedTransformerLayer
