@@ -236,7 +236,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except planner.NoFitError as err:
         return _no_fit(err, args.json)
     if args.json:
-        _print_plan_json(chosen, note, maxtext_overrides=_maxtext(chosen))
+        _print_plan_json(chosen, note, maxtext_overrides=_maxtext(chosen),
+                         paste=dict(zip(("where", "line"), chosen.paste())))
     else:
         if note:
             print(f"note: {note}")

@@ -387,6 +387,13 @@ def test_cli_maxtext_plan_on_trn2_keeps_context_recomputed(capsys):
     assert "context" not in out["saved_tags"]
     assert out["maxtext_overrides"]["remat_policy"] == "custom"
     assert out["maxtext_overrides"]["context"] == "remat"
+    # The output ends in the line to paste: MaxText's keys, in JSON and as text.
+    keys = dict(kv.split("=") for kv in out["paste"]["line"].split())
+    assert keys["remat_policy"] == "custom" and "context" not in keys
+    assert all(out["maxtext_overrides"][k] == v for k, v in keys.items())
+    assert main(["plan", "--model", "llama3-8b", "--tags", "maxtext", "--device",
+                 "trn2.48xlarge"]) == 0
+    assert capsys.readouterr().out.rstrip("\n").splitlines()[-1] == out["paste"]["line"]
 
 
 def test_dead_patterns_are_refused_where_the_names_are_known():
