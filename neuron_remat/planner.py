@@ -265,6 +265,7 @@ class Plan:
             + (f" ({100 * self.overhead:.2f}% of a step)" if self.forward_flops_per_layer else ""))
         lines.extend(self._runner_up_lines())
         lines.extend(f"note: {n}" for n in self.notes)
+        lines.append(f"policy: {self.policy!r}")
         lines.append(f"regex:  {self.policy.save_regex or '(save nothing)'}")
         how, line = self.paste()
         lines.append(f"# {how}:")
