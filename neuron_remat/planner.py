@@ -308,10 +308,10 @@ class Plan:
         ``filter_checkpoint`` take as ``policy=``)."""
         regex = self.policy.save_regex
         if self.host == "axlearn":
-            from .policies import active_remat  # noqa: PLC0415
+            from .policies import remat3_ignores_closures  # noqa: PLC0415
 
             fn = ("neuron_remat.policies.save_and_offload_only_these_names_regex"
-                  if active_remat() == "remat3" else "save_and_offload_only_these_names_regex")
+                  if remat3_ignores_closures() else "save_and_offload_only_these_names_regex")
             return ("axlearn: in the trainer config after the mesh rules, prevent_cse=False for "
                     "RepeatedTransformerLayer (or put remat_plan_modifier() last in the TRN2 "
                     "mesh rule to plan at launch)",

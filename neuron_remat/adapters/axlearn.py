@@ -57,9 +57,11 @@ AXLEARN_COMMIT = "34aed43c1b6e581c4753d06d7cbeedd5010ef26b"
 LAYER_PATH = f"{STACK_PATH}.layer"
 POLICY_FN = "axlearn.common.utils.save_and_offload_only_these_names_regex"
 REMAT3_POLICY_FN = "neuron_remat.policies.save_and_offload_only_these_names_regex"
-"""Under ``jax_remat3`` the spec names this function instead: same keywords, but it returns
-a `RegexPolicy`, which JAX's new remat honours. axlearn's own returns a closure, which that
-implementation would silently treat as full remat."""
+"""Under ``jax_remat3`` on a JAX whose remat3 ignores closures (0.10;
+`policies.remat3_ignores_closures`) the spec names this function instead: same keywords,
+but it returns a `RegexPolicy`, which that remat honours. axlearn's own returns a closure,
+which it would silently treat as full remat. JAX 0.12's remat3 calls closures, and axlearn's
+own function stands."""
 _NEED_AXLEARN = (
     "neuron_remat.adapters.axlearn.{what} needs axlearn, which is not importable here "
     "({err}); install it from git next to a JAX it supports, e.g. "
@@ -86,7 +88,7 @@ def _policy_fn(axlearn_fn: Any) -> Any:
     """The function the spec's policy config calls: axlearn's own, as its golden configs
     spell it, except under ``jax_remat3`` (see `REMAT3_POLICY_FN`), which is logged once."""
     global _REMAT3_LOGGED
-    if policies.active_remat() != "remat3":
+    if not policies.remat3_ignores_closures():
         return axlearn_fn
     if not _REMAT3_LOGGED:
         _REMAT3_LOGGED = True
@@ -104,7 +106,7 @@ def _settings(policy: RegexPolicy, prevent_cse: bool, layer_path: str = LAYER_PA
               ) -> RematSettings:
     return RematSettings(
         prevent_cse=prevent_cse, layer_path=layer_path,
-        policy_fn=REMAT3_POLICY_FN if policies.active_remat() == "remat3" else POLICY_FN,
+        policy_fn=REMAT3_POLICY_FN if policies.remat3_ignores_closures() else POLICY_FN,
         policy_kwargs={"names_which_can_be_saved": policy.save_regex,
                        "names_which_can_be_offloaded": policy.offload_regex,
                        "offload_src": policy.offload_src, "offload_dst": policy.offload_dst})
