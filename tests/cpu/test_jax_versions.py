@@ -231,7 +231,11 @@ def test_the_deferred_adapter_policy_is_honoured(layer_args, impl, caplog):
             kept = _tags_kept(plugin.checkpoint(layer, default=by_name), layer_args)
     assert kept == {NAMES["q_proj"]: 2048}
     notes = [r.getMessage() for r in caplog.records]
-    assert (len(notes) == 1 and "keeps its decisions on tags" in notes[0]) == (impl == "remat3")
+    # Warned exactly where this JAX's remat would treat a plain closure as full remat
+    # (JAX 0.10's remat3; 0.12's asks it), read from JAX's residuals.
+    closure = lambda prim, *_, **p: p.get("name") == "a"  # noqa: E731
+    ignores = _kept_by(closure, impl) == _kept_by(jax.checkpoint_policies.nothing_saveable, impl)
+    assert (len(notes) == 1 and "keeps its decisions on tags" in notes[0]) == ignores
 
 
 # --- imports ---------------------------------------------------------------------------
