@@ -239,7 +239,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except planner.NoFitError as err:
         return _no_fit(err, args.json)
     if args.json:
-        _print_plan_json(chosen, note, maxtext_overrides=_maxtext(chosen))
+        _print_plan_json(chosen, note, maxtext_overrides=_maxtext(chosen),
+                         paste=dict(zip(("where", "line"), chosen.paste())))
     else:
         if note:
             print(f"note: {note}")
@@ -254,7 +255,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _maxtext(chosen: planner.Plan) -> dict[str, str] | None:
-    if chosen.config is None or chosen.config.tags.vocabulary != "maxtext":
+    if chosen.config is None or models.host_of(chosen.config.tags) != "maxtext":
         return None
     from .adapters import maxtext  # noqa: PLC0415
 

@@ -25,6 +25,7 @@ from .device import DeviceSpec
 __all__ = [
     "AXLEARN_NEURON_TAGS",
     "AXLEARN_TAGS",
+    "MAXTEXT_NEURON_TAGS",
     "MAXTEXT_TAGS",
     "ACTIVATIONS",
     "MLAConfig",
@@ -40,6 +41,7 @@ __all__ = [
     "dtype_bytes",
     "from_hf_config",
     "get_model",
+    "host_of",
     "host_tags",
     "load_hf_config",
 ]
@@ -153,14 +155,6 @@ recomputed in the backward. Native attention (``MultiheadAttention``,
 ``GroupedQueryAttention``) still tags ``context``."""
 
 
-def host_tags(tags: TagNames, device: DeviceSpec | None) -> TagNames:
-    """The vocabulary the host really emits on `device`: axlearn's names on a Neuron device
-    are `AXLEARN_NEURON_TAGS` (no flash-attention tag); anything else is returned as is."""
-    if device is not None and device.is_neuron and tags == AXLEARN_TAGS:
-        return AXLEARN_NEURON_TAGS
-    return tags
-
-
 MAXTEXT_TAGS = TagNames(
     vocabulary="maxtext", input="decoder_layer_input", q_proj="query_proj",
     k_proj="key_proj", v_proj="value_proj", context="attention_out", o_proj="out_proj",
@@ -184,6 +178,31 @@ the routed value too; shared experts are a dense ``MlpBlock`` (``mlpwi_0``, ``ml
 (the low-rank query), ``mla_q`` (after its norm), ``kv_wa_proj`` (the key-value latent with
 the RoPE key), ``mla_kv`` (the normalised latent), then ``query_proj``, ``key_proj``,
 ``value_proj``, ``attention_out`` and ``out_proj``."""
+
+MAXTEXT_NEURON_TAGS = dataclasses.replace(MAXTEXT_TAGS, vocabulary="maxtext-neuron",
+                                          flash_context=None)
+"""What MaxText's layer emits on a Neuron device: ``context`` (the flash kernel's output and
+log-sum-exp) is tagged only by its cuDNN and TPU splash attention kernels
+(``layers/attention_op.py`` at AI-Hypercomputer/maxtext e591f30c), which do not run on
+Neuron; every other name is tagged by the layer itself and stands."""
+
+_NEURON_VOCABULARIES = {AXLEARN_TAGS: AXLEARN_NEURON_TAGS, MAXTEXT_TAGS: MAXTEXT_NEURON_TAGS}
+
+
+def host_tags(tags: TagNames, device: DeviceSpec | None) -> TagNames:
+    """The vocabulary the host really emits on `device`. On a Neuron device the GPU and TPU
+    flash-attention kernels' tags are not emitted: axlearn's names become
+    `AXLEARN_NEURON_TAGS` (no ``flash_residuals``) and MaxText's `MAXTEXT_NEURON_TAGS` (no
+    ``context``). Anything else (a user's own `TagNames`) is returned as is."""
+    if device is not None and device.is_neuron:
+        return _NEURON_VOCABULARIES.get(tags, tags)
+    return tags
+
+
+def host_of(tags: TagNames) -> str:
+    """The host a vocabulary belongs to: ``axlearn``, ``maxtext`` or the vocabulary's own
+    name (``axlearn-neuron`` is axlearn's)."""
+    return tags.vocabulary.split("-", 1)[0]
 
 
 # --------------------------------------------------------------------------------------

@@ -266,13 +266,79 @@ class Plan:
             f" x {self.inflight} in flight; recompute "
             f"{self.recompute_flops_per_layer / 1e9:.4g} GFLOP/layer"
             + (f" ({100 * self.overhead:.2f}% of a step)" if self.forward_flops_per_layer else ""))
-        for c in self.runner_ups:
-            lines.append(f"runner-up: {list(c.tags)}: {fmt_bytes(c.kept_bytes)}/layer, "
-                         f"{c.recompute_flops / 1e9:.4g} GFLOP/layer")
+        lines.extend(self._runner_up_lines())
         lines.extend(f"note: {n}" for n in self.notes)
         lines.append(f"policy: {self.policy!r}")
         lines.append(f"regex:  {self.policy.save_regex or '(save nothing)'}")
+        how, line = self.paste()
+        lines.append(f"# {how}:")
+        lines.append(line)
         return "\n".join(lines)
+
+    def _runner_up_lines(self) -> list[str]:
+        """Runner-ups, with exact ties (same bytes and recompute) on one line; a set that
+        ties the plan itself is shown as a tie, not as worse."""
+        best = (self.kept_bytes_per_layer, self.recompute_flops_per_layer)
+        tied: list[tuple[tuple[int, float], list[tuple[str, ...]]]] = []
+        for c in self.runner_ups:
+            key = (c.kept_bytes, c.recompute_flops)
+            same = next((g for g in tied if g[0] == key), None)
+            if same is None:
+                tied.append((key, [c.tags]))
+            else:
+                same[1].append(c.tags)
+        lines = []
+        for (kept, flops), sets in tied:
+            alts = " or ".join(str(list(t)) for t in sets)
+            cost = f"{fmt_bytes(kept)}/layer, {flops / 1e9:.4g} GFLOP/layer"
+            if (kept, flops) == best:
+                lines.append(f"tie: {alts}: {cost}, exactly as good as the plan")
+            else:
+                lines.append(f"runner-up{' (tied)' if len(sets) > 1 else ''}: {alts}: {cost}")
+        return lines
+
+    @property
+    def host(self) -> str:
+        """Whose tag names were planned: ``axlearn``, ``maxtext``, or ``jax`` (a user's own
+        names or a traced footprint)."""
+        host = models.host_of(self.config.tags) if self.config is not None else "jax"
+        return host if host in ("axlearn", "maxtext") else "jax"
+
+    def paste(self) -> tuple[str, str]:
+        """(where it goes, the line to paste) for the host whose tags were planned:
+        axlearn's ``remat_spec`` assignment, MaxText's ``remat_policy=custom`` keys, or a
+        ``jax.checkpoint`` call (also what Flax's ``nn.remat`` and Equinox's
+        ``filter_checkpoint`` take as ``policy=``)."""
+        regex = self.policy.save_regex
+        if self.host == "axlearn":
+            from .policies import remat3_ignores_closures  # noqa: PLC0415
+
+            fn = ("neuron_remat.policies.save_and_offload_only_these_names_regex"
+                  if remat3_ignores_closures() else "save_and_offload_only_these_names_regex")
+            return ("axlearn: in the trainer config after the mesh rules, prevent_cse=False for "
+                    "RepeatedTransformerLayer (or put remat_plan_modifier() last in the TRN2 "
+                    "mesh rule to plan at launch)",
+                    "cfg.model.decoder.transformer.layer.remat_spec = RematSpec(prevent_cse=True,"
+                    f" policy=config_for_function({fn}).set(names_which_can_be_saved="
+                    f"{regex!r}, names_which_can_be_offloaded=None, offload_src=None, "
+                    "offload_dst=None))")
+        if self.host == "maxtext":
+            assert self.config is not None
+            keys = {"remat_policy": "custom"}
+            for role in self.config.roles:
+                tag = self.config.tag(role)
+                if tag is not None:
+                    keys[tag] = "device" if role == "input" or tag in self.saved_tags else \
+                        "remat"
+            return ("MaxText: on the command line (or the same keys in the config YAML)",
+                    " ".join(f"{k}={v}" for k, v in keys.items()))
+        prefixed = self.config is not None and self.config.tags.prefixed
+        names = ", ".join(repr(t) for t in self.saved_tags)
+        policy = (f"neuron_remat.RegexPolicy({list(self.policy.save)!r})" if prefixed else
+                  f"jax.checkpoint_policies.save_only_these_names({names})")
+        return ("JAX: prevent_cse=False inside lax.scan; Flax nn.remat and Equinox "
+                "filter_checkpoint take the same policy=",
+                f"layer = jax.checkpoint(layer, policy={policy}, prevent_cse=True)")
 
 
 def _solve(footprint: mm.Footprint, candidates: Sequence[str], budget: int,
@@ -526,6 +592,8 @@ def plan(
     if fp.no_remat_bytes and fp.no_remat_bytes <= per_layer:
         notes.append(f"no remat at all would fit too ({fmt_bytes(fp.no_remat_bytes)}/layer): "
                      "untagged values (norms, softmax) are then not recomputed either")
+    if config is not None and shape is not None and par is not None:
+        notes.extend(_untagged_notes(config, shape, par, fp, best))
     ordered = [t for t in names if t in decisions]
     return Plan(
         policy=policy, saved_tags=tuple(t for t in names if t in best.tags),
@@ -539,6 +607,66 @@ def plan(
         notes=tuple(notes),
         groups=tuple(GroupDecision(g.tags, g.label, g.bytes, g.recompute_flops, g.alone_flops,
                                    g.shared, set(g.tags) <= set(best.tags)) for g in groups))
+
+
+# What an untagged role is, for the note that names the tag that would help.
+_UNTAGGED_WHAT = {
+    "moe_linear1_0": "the routed experts' first (gate) projection",
+    "moe_linear1_1": "the routed experts' up projection",
+    "moe_linear2": "the routed experts' down projection",
+    "gate_weights": "the router's top-k weights", "gate_assignment": "the router's top-k choice",
+    "q_a": "the low-rank query projection", "q_a_norm": "the normalised low-rank query",
+    "kv_a": "the key-value latent", "kv_a_norm": "the normalised key-value latent",
+    "input": "the layer input", "q_proj": "the query projection", "k_proj": "the key projection",
+    "v_proj": "the value projection", "o_proj": "the output projection",
+    "linear1_0": "the FFN's first projection", "linear1_1": "the FFN's up projection",
+    "linear2": "the FFN's down projection"}
+_HOST_DETAIL = {"axlearn": " (axlearn's mixture_of_experts.py einsums wi_0, wi_1 and wo carry "
+                           "no remat name)"}
+
+
+def _untagged_notes(config: models.TransformerConfig, shape: models.StepShape,
+                    par: models.Parallelism, fp: mm.Footprint, best: Choice) -> list[str]:
+    """A note when most of the plan's recompute is work no tag of the host covers (saving
+    every tag would still recompute it), naming the roles whose tags would let a plan save
+    it and how much each would avoid. The attention kernel's own residuals are left out: a
+    host cannot tag inside a kernel."""
+    if best.recompute_flops <= 0:
+        return []
+    _, floor = fp.evaluate(tuple(fp))
+    if floor < 0.5 * best.recompute_flops:
+        return []
+    tags = config.tags
+    missing = [r for r in (*models.ROLES, *models.MOE_ROLES, *models.MLA_ROLES)
+               if r != "context" and getattr(tags, r, None) is None]
+    proposed = {r: models.MAXTEXT_TAGS.name(r) or models.AXLEARN_TAGS.name(r) or r
+                for r in missing}
+    hyp = dataclasses.replace(config, tags=dataclasses.replace(
+        tags, vocabulary=f"{tags.vocabulary}+untagged", **proposed))
+    new = [r for r in hyp.roles if r in proposed]
+    if not new:
+        return []
+    hfp = mm.layer_footprint(hyp, shape, par)
+    have = tuple(t for t in fp if t in hfp)
+    gains = []
+    for r in new:
+        name = hyp.tag(r)
+        if name in hfp and name not in have:
+            gain = floor - hfp.evaluate(have + (name,))[1]
+            if gain > 0.01 * floor:
+                gains.append((gain, r, name))
+    if not gains:
+        return []
+    gains.sort(reverse=True)
+    host = models.host_of(tags)
+    detail = _HOST_DETAIL.get(host, "") if any(r.startswith("moe_") for _, r, _ in gains) \
+        else ""
+    helps = "; ".join(f"{name!r} ({r}) up to {g / 1e9:.4g}" for g, r, name in gains)
+    return [f"{floor / 1e9:.4g} of the {best.recompute_flops / 1e9:.4g} GFLOP/layer this plan "
+            f"recomputes is work no {host} tag covers (saving every tag still recomputes it):"
+            f" {host} tags nothing on {', '.join(_UNTAGGED_WHAT.get(r, r) for _, r, _ in gains)}"
+            f"{detail}. A checkpoint_name there would let a plan save it; GFLOP/layer each "
+            f"would avoid: {helps}"]
 
 
 def dead_patterns(policy: RegexPolicy, names: Iterable[str]) -> list[str]:

@@ -440,6 +440,7 @@ class DeferredPolicy(policies.ResolvingPolicy):
             object.__setattr__(self, "_choice", choice)
             policies.warn_if_ignored(choice.policy, "neuron_remat's deferred policy",
                                      names_only=True)
+            _check_applied_cse(self, choice)
         return choice
 
     def __call__(self, prim: Any, *args: Any, **params: Any) -> Any:
@@ -484,18 +485,76 @@ def deferred(default: Any = None, **context: Any) -> DeferredPolicy:
 
 def remat_args(stack: str, prevent_cse: bool | None, default: Any,
                context: Mapping[str, Any]) -> tuple[bool, DeferredPolicy]:
-    """What an adapter passes to its host's remat: ``prevent_cse`` (the stack's usual value
-    unless given) and a `DeferredPolicy` for `context`."""
+    """What an adapter that must fix ``prevent_cse`` when it wraps (Flax linen's class
+    transform, Equinox's module) passes to its host's remat: the caller's ``prevent_cse``,
+    else the stack's usual value, and a `DeferredPolicy` for `context`. A provider's own
+    ``prevent_cse`` cannot change it afterwards; when it differs, one warning says so."""
     cse = _cse(stack, prevent_cse)
-    return cse, deferred(default, stack=stack, **context)
+    policy = deferred(default, stack=stack, **context)
+    object.__setattr__(policy, "_applied_cse", cse)
+    return cse, policy
+
+
+def _check_applied_cse(policy: DeferredPolicy, choice: RematChoice) -> None:
+    applied = policy.__dict__.get("_applied_cse")
+    if applied is None or choice.provider is None or choice.prevent_cse == applied:
+        return
+    _warn_once(("prevent_cse", choice.provider, str(applied)),
+               "remat policy provider %r answered prevent_cse=%s, but this layer was wrapped "
+               "with prevent_cse=%s (the caller's or the stack's usual value); pass "
+               "prevent_cse=%s to the adapter to follow it", choice.provider,
+               choice.prevent_cse, applied, choice.prevent_cse)
+
+
+class _ResolveOnCall:
+    """A checkpointed function built on its first call, once the providers have answered,
+    so that it runs with the provider's ``prevent_cse`` (unless the caller gave one)."""
+
+    def __init__(self, fn: Callable[..., Any], build: Callable[[bool, Any], Callable[..., Any]],
+                 stack: str, prevent_cse: bool | None, default: Any,
+                 context: Mapping[str, Any]) -> None:
+        self._cse = None if prevent_cse is None else _cse(stack, prevent_cse)
+        _check_stack(stack)
+        self._policy = deferred(default, stack=stack, **context)
+        self._build = build
+        self._built: Callable[..., Any] | None = None
+        self._lock = threading.Lock()
+        functools.update_wrapper(self, fn)
+
+    @property
+    def prevent_cse(self) -> bool:
+        """The ``prevent_cse`` it runs with (resolving the policy if not done yet)."""
+        return self._cse if self._cse is not None else self._policy.resolve().prevent_cse
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        built = self._built
+        if built is None:
+            with self._lock:
+                if self._built is None:
+                    self._built = self._build(self.prevent_cse, self._policy)
+                built = self._built
+        return built(*args, **kwargs)
+
+
+def resolve_on_call(fn: Callable[..., Any], build: Callable[[bool, Any], Callable[..., Any]], *,
+                    stack: str, prevent_cse: bool | None, default: Any,
+                    context: Mapping[str, Any]) -> Callable[..., Any]:
+    """`fn`, checkpointed by ``build(prevent_cse, policy)`` on its first call: the policy is
+    a `DeferredPolicy` for `context`, and ``prevent_cse`` the caller's, else the one the
+    answering provider gave (the stack's usual value when none did)."""
+    return _ResolveOnCall(fn, build, stack, prevent_cse, default, context)
 
 
 def checkpoint(fn: Callable[..., Any], *, default: Any = None, stack: str = "stacked",
                prevent_cse: bool | None = None, static_argnums: int | tuple[int, ...] = (),
                **context: Any) -> Callable[..., Any]:
-    """``jax.checkpoint(fn)`` with the policy the providers choose for `context` (resolved
-    when first traced), or `default` when none answers."""
+    """``jax.checkpoint(fn)`` with the policy the providers choose for `context`, or
+    `default` when none answers. Both are settled on the first call (when the layer is
+    traced): the policy, and ``prevent_cse``, which is the caller's when given, else the
+    answering provider's, else the stack's usual value."""
     import jax  # noqa: PLC0415
 
-    cse, policy = remat_args(stack, prevent_cse, default, context)
-    return jax.checkpoint(fn, policy=policy, prevent_cse=cse, static_argnums=static_argnums)
+    return resolve_on_call(
+        fn, lambda cse, policy: jax.checkpoint(fn, policy=policy, prevent_cse=cse,
+                                               static_argnums=static_argnums),
+        stack=stack, prevent_cse=prevent_cse, default=default, context=context)

@@ -8,13 +8,15 @@ policy is rebuilt. `save_and_offload_only_these_names_regex` builds one with axl
 exact keyword signature.
 
 Both of JAX's remat implementations honour it. The original one (``jax.checkpoint``'s
-default through JAX 0.10) calls the policy on every primitive. The new one (``jax_remat3``,
-opt-in in JAX 0.10) never calls a policy: it asks ``name in policy.saveable_names`` of
-instances of its own ``SaveOnlyTheseNames`` and treats every other callable as full remat.
-A `RegexPolicy` is such an instance (on JAX versions that have the class), and its
-``saveable_names`` answers membership with the save patterns, so both implementations
-make the same decisions. remat3 has no offload: under it, tags the offload patterns match
-are recomputed (the memory-safe reading), and `warn_if_ignored` says so once.
+default through JAX 0.12) calls the policy on every primitive. The new one (``jax_remat3``,
+opt-in) depends on the JAX version. In JAX 0.10 it never calls a policy: it asks ``name in
+policy.saveable_names`` of instances of its own ``SaveOnlyTheseNames``, treats every other
+callable as full remat and has no offload. A `RegexPolicy` is such an instance (on JAX
+versions that have the class), and its ``saveable_names`` answers membership with the save
+patterns, so both implementations make the same decisions; tags the offload patterns match
+are recomputed there (the memory-safe reading), and `warn_if_ignored` says so once. In JAX
+0.12 remat3 calls any policy about tags and matmuls and honours offload
+(`remat3_asks_any_policy`), so nothing is lost and nothing is warned about.
 
 Patterns are matched by `_regex.SafePattern`, in time linear in the tag's length; a
 pattern that would need unbounded backtracking is refused when the policy is built.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import re
 import threading
@@ -495,6 +498,27 @@ _WARNED: set[tuple[str, str]] = set()
 _WARN_LOCK = threading.Lock()
 
 
+@functools.lru_cache(maxsize=None)
+def remat3_asks_any_policy() -> bool:
+    """Whether this JAX's new remat (``jax_remat3``) asks any callable policy about tags and
+    matmuls and honours its ``Offloadable`` answers, as JAX 0.12 does. JAX 0.10's remat3
+    honours only JAX's own policy types and never offloads. Read from the signature of the
+    tag primitive's remat rule (0.12 passes the trace, whose policy it calls; 0.10 passes the
+    policy, whose type it inspects); nothing is traced."""
+    try:
+        params = list(inspect.signature(_jax_remat.CheckpointName.remat).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return len(params) > 1 and params[1] == "trace"
+
+
+def remat3_ignores_closures() -> bool:
+    """Whether the active remat would treat a plain policy closure (axlearn's
+    ``save_and_offload_only_these_names_regex``) as full remat: ``jax_remat3`` on a JAX whose
+    remat3 honours only its own policy types."""
+    return active_remat() == "remat3" and not remat3_asks_any_policy()
+
+
 def _honoured_by_remat3(policy: Any) -> bool:
     kinds = tuple(getattr(_jax_remat, n) for n in ("SaveOnlyTheseNames", "SaveAnyNamesButThese",
                                                    "DotsSaveable") if hasattr(_jax_remat, n))
@@ -514,7 +538,7 @@ def warn_if_ignored(policy: Any, where: str = "jax.checkpoint", *,
     `policy` reaches JAX inside a `NamesPolicy` wrapper, so its decisions on tags are kept
     and only what else it saves is lost.
     """
-    if active_remat() != "remat3":
+    if active_remat() != "remat3" or remat3_asks_any_policy():
         return None
     if isinstance(policy, NamesPolicy) and not isinstance(policy, RegexPolicy):
         return None

@@ -57,9 +57,11 @@ AXLEARN_COMMIT = "34aed43c1b6e581c4753d06d7cbeedd5010ef26b"
 LAYER_PATH = f"{STACK_PATH}.layer"
 POLICY_FN = "axlearn.common.utils.save_and_offload_only_these_names_regex"
 REMAT3_POLICY_FN = "neuron_remat.policies.save_and_offload_only_these_names_regex"
-"""Under ``jax_remat3`` the spec names this function instead: same keywords, but it returns
-a `RegexPolicy`, which JAX's new remat honours. axlearn's own returns a closure, which that
-implementation would silently treat as full remat."""
+"""Under ``jax_remat3`` on a JAX whose remat3 ignores closures (0.10;
+`policies.remat3_ignores_closures`) the spec names this function instead: same keywords,
+but it returns a `RegexPolicy`, which that remat honours. axlearn's own returns a closure,
+which it would silently treat as full remat. JAX 0.12's remat3 calls closures, and axlearn's
+own function stands."""
 _NEED_AXLEARN = (
     "neuron_remat.adapters.axlearn.{what} needs axlearn, which is not importable here "
     "({err}); install it from git next to a JAX it supports, e.g. "
@@ -86,7 +88,7 @@ def _policy_fn(axlearn_fn: Any) -> Any:
     """The function the spec's policy config calls: axlearn's own, as its golden configs
     spell it, except under ``jax_remat3`` (see `REMAT3_POLICY_FN`), which is logged once."""
     global _REMAT3_LOGGED
-    if policies.active_remat() != "remat3":
+    if not policies.remat3_ignores_closures():
         return axlearn_fn
     if not _REMAT3_LOGGED:
         _REMAT3_LOGGED = True
@@ -104,7 +106,7 @@ def _settings(policy: RegexPolicy, prevent_cse: bool, layer_path: str = LAYER_PA
               ) -> RematSettings:
     return RematSettings(
         prevent_cse=prevent_cse, layer_path=layer_path,
-        policy_fn=REMAT3_POLICY_FN if policies.active_remat() == "remat3" else POLICY_FN,
+        policy_fn=REMAT3_POLICY_FN if policies.remat3_ignores_closures() else POLICY_FN,
         policy_kwargs={"names_which_can_be_saved": policy.save_regex,
                        "names_which_can_be_offloaded": policy.offload_regex,
                        "offload_src": policy.offload_src, "offload_dst": policy.offload_dst})
@@ -234,10 +236,36 @@ def plan_trainer(trainer_cfg: Any, *, device: DeviceSpec | None = None,
         raise ValueError(f"hosts={hosts!r}: give the number of processes, a positive integer")
     desc = describe_trainer(trainer_cfg, device=dev, hosts=hosts or _process_count(),
                             stack_path=stack_path)
-    chosen = planner.plan(dev, desc.config, desc.shape, desc.parallelism, reserve=reserve)
+    try:
+        chosen = planner.plan(dev, desc.config, desc.shape, desc.parallelism, reserve=reserve)
+    except planner.NoFitError as err:
+        raise planner.NoFitError(f"{err} {_axlearn_knobs(trainer_cfg, desc)}") from None
     planner.refuse_dead_patterns(chosen.policy, desc.emitted, host=f"{desc.layer_path}")
     return TrainerPlan(desc, chosen, _settings(chosen.policy, kind == "stacked",
                                                desc.layer_path))
+
+
+def _axlearn_knobs(trainer_cfg: Any, desc: TrainerDescription) -> str:
+    """What to change in the trainer config, in axlearn's terms, when nothing fits."""
+    c, p, shape = desc.config, desc.parallelism, desc.shape
+    attn = f"{desc.layer_path}.self_attention.attention"
+    knobs = []
+    if not c.flash_attention:
+        knobs.append(f"use flash attention: {attn} is {c.name.split()[1]}; set it to "
+                     "FlashAttention (the fuji '-flash' configs), which on Neuron runs the NKI "
+                     "kernel and holds no seq x seq scores")
+    batch = getattr(getattr(getattr(trainer_cfg, "input", None), "input_dispatcher", None),
+                    "global_logical_batch_size", None)
+    knobs.append(
+        f"lower the micro-batch (now {shape.micro_batch} x {shape.seq_len} tokens per replica): "
+        f"a smaller input.input_dispatcher.global_logical_batch_size (now {batch}), or "
+        "gradient accumulation (a GradientAccumulationModifier with grad_acc_steps=N in the "
+        "mesh rule)")
+    knobs.append(
+        f"change the mesh in the mesh rule's MeshShapeModifier (now model={p.tp} fsdp={p.fsdp}"
+        f" data={p.dp} over {p.hosts} host(s)): more hosts (fsdp=-1 grows with them), or "
+        f"model={2 * p.tp} where it divides num_heads={c.heads}")
+    return "In axlearn's terms: " + "; ".join(knobs) + "."
 
 
 # --------------------------------------------------------------------------------------

@@ -1,4 +1,9 @@
-"""Equinox: ``eqx.filter_checkpoint`` with the resolved policy (resolved when traced)."""
+"""Equinox: ``eqx.filter_checkpoint`` with the resolved policy (resolved when traced).
+
+``filter_checkpoint`` returns an Equinox module holding the wrapped function (its arrays are
+leaves of the model), so it is built when wrapped and ``prevent_cse`` is fixed then: the
+caller's value, else the stack's usual one. A provider that answers otherwise gets one
+warning naming the value to pass."""
 
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ def _overrides(policy: Callable[..., Any], fused_qkv: bool) -> dict[str, str]:
 def overrides_for(plan: Plan, *, fused_qkv: bool = False) -> dict[str, str]:
     """``{"remat_policy": "custom", <key>: remat|device|offload, ...}`` for a `Plan` made
     with MaxText's tag names (``MAXTEXT_TAGS``)."""
-    if plan.config is not None and plan.config.tags.vocabulary != "maxtext":
+    if plan.config is not None and models.host_of(plan.config.tags) != "maxtext":
         raise ValueError("plan with MaxText's tag names (tags=MAXTEXT_TAGS) to get MaxText "
                          f"overrides; this plan uses {plan.config.tags.vocabulary!r} names")
     return _overrides(plan.policy, fused_qkv)

@@ -1,11 +1,13 @@
-"""Fuji trainer configs as axlearn builds them, on a stand-in axlearn package.
+"""Fuji trainer configs as axlearn builds them, on a real axlearn or a stand-in for it.
 
-axlearn cannot be installed beside current JAX here (its 2024 PyPI release pins JAX 0.4.21;
-current axlearn installs from git and pins JAX 0.8.3). `axlearn_stub/axlearn` reproduces,
-with the same module paths, class names and config fields, the parts of apple/axlearn at
-commit 34aed43c1b6e581c4753d06d7cbeedd5010ef26b (2026-07-08) that the adapter touches;
-`on_path` puts it on ``sys.path`` so the adapter imports it as ``axlearn``, the way a real
-install would be found, and removes it afterwards.
+Current axlearn installs from git and pins JAX 0.8.3 (its 2024 PyPI release pins JAX 0.4.21),
+so the default test environment has none. `axlearn_stub/axlearn` is a faithful subset of
+apple/axlearn at commit 34aed43c1b6e581c4753d06d7cbeedd5010ef26b (2026-07-08): the module
+paths, class names, config fields with their defaults, and the closure
+``utils.save_and_offload_only_these_names_regex`` returns, each cited to axlearn's file and
+line there. `on_path` puts it on ``sys.path`` so the adapter imports it as ``axlearn``, and
+removes it afterwards. Where a real axlearn is importable (`REAL`), the stand-in steps aside
+and the same builders and tests run against it (see README, "axlearn").
 
 The builders below follow, at that commit:
 
@@ -35,6 +37,7 @@ The builders below follow, at that commit:
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import pathlib
 import sys
 from collections.abc import Iterator
@@ -45,9 +48,23 @@ AXLEARN_COMMIT = "34aed43c1b6e581c4753d06d7cbeedd5010ef26b"
 TRN2_SELECTOR = "neuron-trn2.48xlarge-64"
 
 
+def _real_axlearn() -> bool:
+    """Whether an installed axlearn (not the stand-in) is importable."""
+    return importlib.util.find_spec("axlearn") is not None
+
+
+REAL = _real_axlearn()
+"""True where a real axlearn is installed: the stand-in then steps aside and the same tests
+run against it."""
+
+
 @contextlib.contextmanager
 def on_path() -> Iterator[None]:
-    """The stand-in axlearn importable as ``axlearn`` inside the block, gone after it."""
+    """The stand-in axlearn importable as ``axlearn`` inside the block, gone after it; where
+    a real axlearn is installed, that one (left in place)."""
+    if REAL:
+        yield
+        return
     sys.path.insert(0, str(STUB))
     try:
         yield
@@ -57,16 +74,25 @@ def on_path() -> Iterator[None]:
             del sys.modules[name]
 
 
+def lm_source(*, vocab_size: int, max_sequence_length: int) -> Any:
+    """Stands for the input source Fuji configures (``mixture_train_input_source``, whose
+    config carries ``vocab_size`` and ``max_sequence_length``); never instantiated."""
+    raise NotImplementedError
+
+
 def _base(*, size: str, flash: bool) -> Any:
     import jax.numpy as jnp
 
     from axlearn.common import attention as att
     from axlearn.common.base_layer import RematSpec
-    from axlearn.common.causal_lm import LmHead, Model
+    from axlearn.common.causal_lm import Model
     from axlearn.common.config import config_for_function
+    from axlearn.common.decoder import LmHead
     from axlearn.common.flash_attention.layer import FlashAttention
+    from axlearn.common.input_dispatch import SpmdInputDispatcher
+    from axlearn.common.input_tf_data import Input, identity
     from axlearn.common.layers import RMSNorm
-    from axlearn.common.trainer import Input, SpmdTrainer
+    from axlearn.common.trainer import SpmdTrainer
     from axlearn.common.utils import save_and_offload_only_these_names_regex
     from axlearn.experiments.text.gpt import common
 
@@ -97,11 +123,13 @@ def _base(*, size: str, flash: bool) -> Any:
                       output_norm=RMSNorm.default_config(),
                       lm_head=None if dims["shared"] else LmHead.default_config())
     seq_len = 8192
-    source = config_for_function(lambda vocab_size, max_sequence_length: None).set(
-        vocab_size=128 * 1024, max_sequence_length=seq_len)
-    inp = Input.default_config().set(source=source)
-    inp.input_dispatcher.set(global_logical_batch_size=16 * 1024**2 // seq_len,
-                             partition_spec=(("data", "expert", "fsdp"),))
+    source = config_for_function(lm_source).set(vocab_size=128 * 1024,
+                                                max_sequence_length=seq_len)
+    inp = Input.default_config().set(
+        is_training=True, source=source, processor=config_for_function(identity),
+        input_dispatcher=SpmdInputDispatcher.default_config().set(
+            global_logical_batch_size=16 * 1024**2 // seq_len,
+            partition_spec=(("data", "expert", "fsdp"),)))
     mesh = common.mesh_shape_from_axes(fsdp=-1) if size == "70B" else \
         common.mesh_shape_from_axes(data=-1, fsdp=8)
     return SpmdTrainer.default_config().set(

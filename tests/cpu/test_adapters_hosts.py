@@ -14,6 +14,7 @@ on the real wrapped layer (`neuron_remat.reference.layer`, the layer the planner
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -302,3 +303,55 @@ def test_rewrapping_an_equal_context_after_the_environment_changed(monkeypatch):
     plugin.clear_cache()
     on_trn2 = Traceable(nr.checkpoint(layer, **CONTEXT), args)
     assert on_trn2.saved_tags() == planned_tags()
+
+
+# --- plans end in the line to paste ---------------------------------------------------------
+
+
+def test_a_traced_plan_ends_in_a_jax_checkpoint_call_that_keeps_the_planned_tags():
+    import small_layer as sl
+
+    x, params = sl.make_args()
+    fp = nr.traced_footprint(sl.layer, x, params)
+    budget = fp.evaluate(())[0] + fp.evaluate(())[0] // 2
+    plan = nr.plan(footprint=fp, budget_bytes=budget)
+    assert plan.saved_tags and set(plan.saved_tags) != set(fp)  # not nothing, not all
+    how, line = plan.paste()
+    assert plan.table().splitlines()[-2:] == [f"# {how}:", line]
+    assert line.startswith("layer = jax.checkpoint(layer, policy=jax.checkpoint_policies.")
+    scope = {"jax": jax, "layer": sl.layer}
+    exec(line, scope)  # noqa: S102  the pasted line, as a user would run it
+    kept = named([(a.str_short(), d) for a, d in saved_residuals(scope["layer"], x, params)])
+    assert kept - {sl.NAMES["input"]} == set(plan.saved_tags) - {sl.NAMES["input"]}
+
+
+def test_a_maxtext_plan_ends_in_its_remat_policy_custom_keys(monkeypatch):
+    from neuron_remat.adapters import maxtext
+
+    config = dataclasses.replace(nr.get_model("llama3-8b"), tags=nr.MAXTEXT_TAGS)
+    plan = nr.plan(nr.from_instance_type("trn2.48xlarge"), config, nr.StepShape(seq_len=8192),
+                   nr.Parallelism(tp=4, sequence_parallel=True, fsdp=-1))
+    how, line = plan.paste()
+    assert plan.table().splitlines()[-1] == line and how.startswith("MaxText")
+    keys = dict(item.split("=") for item in line.split())
+    assert keys.pop("remat_policy") == "custom"
+    assert set(keys) <= set(maxtext.BASE_YML_KEYS)  # MaxText's own per-tensor keys
+    assert set(keys.values()) <= set(maxtext.ALLOWED_VALUES)
+    assert {k for k, v in keys.items() if v == "device"} == {"decoder_layer_input",
+                                                             *plan.saved_tags}
+    assert "context" not in keys  # not emitted on Neuron
+    adapter = maxtext.overrides_for(plan)
+    assert all(adapter[k] == v for k, v in keys.items())
+
+
+def test_exact_ties_are_shown_as_ties():
+    cost = dataclasses.make_dataclass("Cost", ["bytes", "recompute_flops"])
+    fp = {"a": cost(100, 1e6), "b": cost(100, 1e6), "c": cost(100, 5e5)}
+    plan = nr.plan(footprint=fp, budget_bytes=150)
+    assert plan.saved_tags in (("a",), ("b",))
+    other = "b" if plan.saved_tags == ("a",) else "a"
+    lines = plan.table().splitlines()
+    tie = f"tie: ['{other}']: 100 B/layer, 0.0015 GFLOP/layer, exactly as good as the plan"
+    assert tie in lines
+    assert not any(line.startswith(f"runner-up: ['{other}']") for line in lines)
+    assert "runner-up: ['c']: 100 B/layer, 0.002 GFLOP/layer" in lines

@@ -10,6 +10,8 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
+from jax._src.ad_checkpoint import name_p
+from jax.ad_checkpoint import Saveable
 
 import neuron_remat as nr
 from neuron_remat import memory_model as mm
@@ -24,6 +26,24 @@ PR_898 = ".*[kqv]_proj|.*linear1_[01]"
 AXLEARN_KEYWORDS = ["names_which_can_be_saved", "names_which_can_be_offloaded", "offload_src",
                     "offload_dst"]
 TRN2 = nr.from_instance_type("trn2.48xlarge")
+# What Fuji-v3's layer tags on Neuron after the TRN2 rule (FlashAttention, NKI kernel), as
+# axlearn's ``_remat_name`` spells them: ``f"{type(self).__name__}.{name}"``.
+FUJI_NEURON_NAMES = (
+    "TransformerLayer.input", "FlashAttention.q_proj", "FlashAttention.k_proj",
+    "FlashAttention.v_proj", "FlashAttention.o_proj", "TransformerFeedForwardLayer.linear1_0",
+    "TransformerFeedForwardLayer.linear1_1", "TransformerFeedForwardLayer.linear2")
+
+
+def _saved_by(spec):
+    """The names the config's policy keeps: axlearn's closure, instantiated from the config
+    and asked as jax.checkpoint asks it about each tag."""
+    policy = spec.policy.instantiate()
+    return {n for n in FUJI_NEURON_NAMES if policy(name_p, name=n) is Saveable}
+
+
+def _matching(tags):
+    """The names axlearn-style patterns (``.*<tag>``) for `tags` fully match."""
+    return {n for n in FUJI_NEURON_NAMES if any(re.fullmatch(r".*" + t, n) for t in tags)}
 
 
 @pytest.fixture
@@ -75,6 +95,7 @@ def test_the_modifier_is_a_config_modifier_of_the_axlearn_it_finds(axlearn):
         ax.remat_plan_modifier(instnce_type="trn2.48xlarge")
 
 
+@pytest.mark.skipif(fx.REAL, reason="one installed axlearn: nothing to rebuild for")
 def test_the_class_is_rebuilt_for_another_axlearn():
     with fx.on_path():
         first = ax.RematPlanModifier
@@ -101,10 +122,7 @@ def test_fuji_70b_trn2_rule_is_read_after_the_swaps(axlearn, trn2):
     assert desc.parallelism == nr.Parallelism(tp=4, sequence_parallel=True, fsdp=1024,
                                               hosts=64)
     assert desc.shape == nr.StepShape(seq_len=8192, micro_batch=2)  # 2048 / 1024
-    assert set(desc.emitted) == {
-        "TransformerLayer.input", "FlashAttention.q_proj", "FlashAttention.k_proj",
-        "FlashAttention.v_proj", "FlashAttention.o_proj", "TransformerFeedForwardLayer.linear1_0",
-        "TransformerFeedForwardLayer.linear1_1", "TransformerFeedForwardLayer.linear2"}
+    assert set(desc.emitted) == set(FUJI_NEURON_NAMES)
     assert desc.sources["sequence_parallel"] == f"{LAYER}.self_attention.norm.input_partition_spec"
     assert desc.sources["global_batch"] == "input.input_dispatcher.global_logical_batch_size"
 
@@ -125,16 +143,32 @@ def test_fuji_70b_last_in_the_trn2_rule_replaces_the_pr_898_spec(axlearn, trn2):
                                     "offload_dst": None}
     saved = planned.policy.save_regex
     assert saved != PR_898 and "flash_residuals" not in saved and "context" not in saved
-    # The config's policy, instantiated as axlearn would, keeps exactly the planned tags.
-    policy = spec.policy.instantiate()
-    desc = ax.describe_trainer(cfg, device=TRN2, hosts=64)
-    kept = {n.split(".")[1] for n in desc.emitted if policy.action(n) == "save"}
-    assert kept == set(planned.saved_tags)
+    # The config's policy, axlearn's closure instantiated from it, keeps q, k, v and o
+    # (README: fuji-70B-v3-flash on 64 trn2.48xlarge, 19.41% recompute), and the PR 898
+    # spec it replaced kept q, k, v and the gated FFN input.
+    assert _saved_by(spec) == _matching(["q_proj", "k_proj", "v_proj", "o_proj"])
+    assert _saved_by(_spec(before)) == _matching(["[kqv]_proj", "linear1_[01]"])
+    assert round(100 * planned.overhead, 2) == 19.41
 
 
 def test_fuji_70b_on_one_host_does_not_fit_and_says_so(axlearn, trn2):
     with pytest.raises(nr.NoFitError, match="To fit: .*shard the model state further"):
         _launch("70B", ax.remat_plan_modifier())  # hosts: JAX's process count, 1
+
+
+def test_fuji_70b_without_flash_does_not_fit_and_names_axlearns_knobs(axlearn, trn2):
+    # README: plain fuji-70B-v3 on the TRN2 rule: the float32 seq x seq scores of native
+    # attention need a 24.08 GiB workspace per core, more than the 24 GiB of HBM.
+    with pytest.raises(nr.NoFitError) as err:
+        _launch("70B", ax.remat_plan_modifier(hosts=64), flash=False)
+    text = str(err.value)
+    assert "workspace 24.08 GiB" in text
+    knobs = text.split("In axlearn's terms: ")[1]
+    assert "self_attention.attention is GroupedQueryAttention; set it to FlashAttention" in knobs
+    assert "input.input_dispatcher.global_logical_batch_size (now 2048)" in knobs
+    assert "GradientAccumulationModifier" in knobs
+    assert "MeshShapeModifier (now model=4 fsdp=1024 data=1 over 64 host(s))" in knobs
+    assert "model=8 where it divides num_heads=64" in knobs
 
 
 def test_not_strict_keeps_the_rules_spec_and_warns_once(axlearn, trn2, caplog):
@@ -143,6 +177,33 @@ def test_not_strict_keeps_the_rules_spec_and_warns_once(axlearn, trn2, caplog):
     assert _spec(cfg).policy.names_which_can_be_saved == PR_898
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "NoFitError" in warnings[0].getMessage()
+
+
+@pytest.mark.skipif(not fx.REAL, reason="needs a real axlearn (see README, axlearn)")
+@pytest.mark.parametrize("name, size, kw, hosts", [
+    ("fuji-70B-v3-flash", "70B", {}, 64), ("fuji-7B-v3-flash-single-host", "7B",
+                                         {"single_host": True}, 1)])
+def test_the_fixtures_read_as_axlearns_own_fuji_configs(name, size, kw, hosts):
+    """On a real axlearn: fuji.py's own trainer config, after its TRN2 mesh rule, reads
+    field for field as the fixture's, and plans alike."""
+    from axlearn.common.config import config_for_function
+    from axlearn.common.trainer import select_mesh_config
+    from axlearn.experiments.text.gpt import fuji
+
+    def source(*, vocab_size, max_sequence_length):
+        return config_for_function(fx.lm_source).set(
+            vocab_size=vocab_size, max_sequence_length=max_sequence_length)
+
+    own = fuji.trainer_configs(source, lambda **_: {})[name]()
+    select_mesh_config(own, mesh_selector=fx.TRN2_SELECTOR)
+    ours = fx.launched(fx.fuji(size, **kw))
+    theirs = ax.describe_trainer(own, device=TRN2, hosts=hosts)
+    mine = ax.describe_trainer(ours, device=TRN2, hosts=hosts)
+    assert dataclasses.replace(theirs.config, name="") == dataclasses.replace(mine.config, name="")
+    assert (theirs.shape, theirs.parallelism, theirs.stack_class, theirs.emitted) == (
+        mine.shape, mine.parallelism, mine.stack_class, mine.emitted)
+    assert theirs.sources == mine.sources
+    assert _saved_by(_spec(own)) == _saved_by(_spec(ours))  # the rule's own remat_spec
 
 
 # --- Fuji-7B ------------------------------------------------------------------------------
@@ -164,6 +225,10 @@ def test_fuji_7b_single_host_plans_with_no_arguments(axlearn, trn2):
                       nr.Parallelism(tp=4, sequence_parallel=True, fsdp=-1))
     assert result.plan.saved_tags == planned.saved_tags
     assert result.plan.kept_bytes_per_layer == planned.kept_bytes_per_layer
+    # README: fuji-7B-v3-flash on one trn2.48xlarge saves q, k, v, o and the gated FFN
+    # input at 5.36% recompute.
+    assert _saved_by(_spec(cfg)) == _matching(["[qkvo]_proj", "linear1_[01]"])
+    assert round(100 * result.plan.overhead, 2) == 5.36
 
 
 def _base_7b_with_own_rule(plan):
@@ -190,6 +255,10 @@ def test_base_fuji_7b_with_fused_qkv(axlearn, trn2):
     assert _spec(cfg).policy.names_which_can_be_saved == result.plan.policy.save_regex
     qkv = {"q_proj", "k_proj", "v_proj"} & set(result.plan.saved_tags)
     assert qkv in (set(), {"q_proj", "k_proj", "v_proj"})  # a slice alone avoids nothing
+    # README: the base config on one trn2.48xlarge saves all three slices, o and the gated
+    # FFN input at 5.37% recompute.
+    assert _saved_by(_spec(cfg)) == _matching(["[qkvo]_proj", "linear1_[01]"])
+    assert round(100 * result.plan.overhead, 2) == 5.37
 
 
 # --- fused QKV: one matmul, three tags ----------------------------------------------------
@@ -246,7 +315,8 @@ def test_fused_qkv_matches_what_jax_recomputes(saved, recomputes_matmul):
 def test_on_neuron_axlearn_emits_no_flash_tag_and_attention_is_recomputed():
     assert models.host_tags(models.AXLEARN_TAGS, TRN2) is models.AXLEARN_NEURON_TAGS
     assert models.host_tags(models.AXLEARN_TAGS, nr.parse_device("cpu")) is models.AXLEARN_TAGS
-    assert models.host_tags(models.MAXTEXT_TAGS, TRN2) is models.MAXTEXT_TAGS
+    assert models.host_tags(models.MAXTEXT_TAGS, TRN2) is models.MAXTEXT_NEURON_TAGS
+    assert models.host_tags(models.MAXTEXT_TAGS, nr.parse_device("cpu")) is models.MAXTEXT_TAGS
     flash = dataclasses.replace(nr.get_model("fuji-70b"), tags=models.AXLEARN_NEURON_TAGS)
     native = dataclasses.replace(flash, flash_attention=False)
     assert "context" not in flash.roles and "context" in native.roles
@@ -269,6 +339,61 @@ def test_built_in_trn2_plans_name_no_tag_neuron_never_emits():
     fp = mm.layer_footprint(nr.get_model("fuji-70b"), nr.StepShape(seq_len=8192),
                             nr.Parallelism(tp=4))
     assert "flash_residuals" in fp
+
+
+# Names each host's GPU/TPU flash kernels tag, which no Neuron kernel emits: axlearn's
+# ``flash_residuals`` (flash_attention/gpu_attention.py, tpu_attention.py at 34aed43c; its
+# FlashAttention layer tags no ``context`` either) and MaxText's ``context`` (cuDNN and
+# splash kernels in layers/attention_op.py at e591f30c).
+NOT_ON_NEURON = {("axlearn", True): {"flash_residuals", "context"},
+                 ("axlearn", False): {"flash_residuals"},
+                 ("maxtext", True): {"context"}, ("maxtext", False): {"context"}}
+BIG_TRN2 = nr.parse_device("trn2.48xlarge:hbm=1TiB")  # room to save every tag that pays
+
+
+@pytest.mark.parametrize("host, tags", [("axlearn", models.AXLEARN_TAGS),
+                                        ("maxtext", models.MAXTEXT_TAGS)])
+@pytest.mark.parametrize("flash", [True, False])
+def test_on_neuron_no_host_vocabulary_plans_a_tag_the_host_does_not_emit(host, tags, flash):
+    dead = NOT_ON_NEURON[host, flash]
+    names = set(dead) | {f"FlashAttention.{n}" for n in dead}
+    for name in nr.MODELS:
+        config = dataclasses.replace(nr.get_model(name), flash_attention=flash, tags=tags)
+        planned = nr.plan(BIG_TRN2, config, nr.StepShape(seq_len=4096),
+                          nr.Parallelism(tp=4, sequence_parallel=True, fsdp=-1, hosts=8))
+        assert not dead & set(planned.saved_tags), (name, planned.saved_tags)
+        assert not any(planned.policy.action(n) != "recompute" for n in names), name
+        assert planned.saved_tags  # the budget is roomy: something is saved
+    if not flash:
+        return
+    # The same flash layer off Neuron is tagged with that name, and it pays: the test can
+    # fail.
+    off = mm.layer_footprint(dataclasses.replace(nr.get_model("llama3-8b"), tags=tags,
+                                                 flash_attention=flash),
+                             nr.StepShape(seq_len=4096), nr.Parallelism(tp=4))
+    on_gpu = "flash_residuals" if host == "axlearn" else "context"
+    assert on_gpu in off and off[on_gpu].recompute_flops > 0
+
+
+def test_cli_maxtext_plan_on_trn2_keeps_context_recomputed(capsys):
+    """The issue's case: ``plan --model llama3-8b --tags maxtext`` on TRN2 saved ``context``."""
+    import json
+
+    from neuron_remat.cli import main
+
+    assert main(["plan", "--model", "llama3-8b", "--tags", "maxtext", "--device",
+                 "trn2.48xlarge", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "context" not in out["saved_tags"]
+    assert out["maxtext_overrides"]["remat_policy"] == "custom"
+    assert out["maxtext_overrides"]["context"] == "remat"
+    # The output ends in the line to paste: MaxText's keys, in JSON and as text.
+    keys = dict(kv.split("=") for kv in out["paste"]["line"].split())
+    assert keys["remat_policy"] == "custom" and "context" not in keys
+    assert all(out["maxtext_overrides"][k] == v for k, v in keys.items())
+    assert main(["plan", "--model", "llama3-8b", "--tags", "maxtext", "--device",
+                 "trn2.48xlarge"]) == 0
+    assert capsys.readouterr().out.rstrip("\n").splitlines()[-1] == out["paste"]["line"]
 
 
 def test_dead_patterns_are_refused_where_the_names_are_known():
@@ -427,3 +552,58 @@ def test_under_remat3_the_spec_names_a_policy_jax_honours(axlearn, trn2, caplog)
     assert isinstance(policy, ad_checkpoint.SaveOnlyTheseNames)
     assert "FlashAttention.q_proj" in policy.saveable_names
     assert sum("jax_remat3 is on" in r.message for r in caplog.records) == 1
+
+
+# --- notes where nothing can be saved ---------------------------------------------------------
+
+
+def test_axlearn_moe_note_names_the_untagged_expert_einsums():
+    """Mixtral with axlearn's names: the expert einsums carry no remat name, so nothing can
+    save them; the plan says so and names the tags that would help, each avoiding one
+    expert projection: tokens x top-k x 2 x hidden x ffn / tp FLOPs per core."""
+    shape, par = nr.StepShape(seq_len=4096), nr.Parallelism(tp=4, sequence_parallel=True,
+                                                            fsdp=-1)
+    planned = nr.plan(TRN2, nr.get_model("mixtral-8x7b"), shape, par)
+    note = next(n for n in planned.notes if "no axlearn tag covers" in n)
+    # README: 29.9% of a step recomputed with 9.1 GiB free.
+    assert round(100 * planned.overhead, 1) == 29.9
+    assert round(planned.headroom_bytes / 2**30, 1) == 9.1
+    assert "wi_0, wi_1 and wo carry no remat name" in note
+    one_projection = 4096 * 2 * 2 * 4096 * 14336 / 4
+    for tag in ("moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo"):
+        assert f"'{tag}' (moe_linear" in note
+        assert f"up to {one_projection / 1e9:.4g}" in note
+    assert f"note: {note}" in planned.table()
+    # MaxText tags its experts: the plan saves them and needs no such note.
+    maxtext = nr.plan(TRN2, dataclasses.replace(nr.get_model("mixtral-8x7b"),
+                                                tags=models.MAXTEXT_TAGS), shape, par)
+    assert not any("tag covers" in n for n in maxtext.notes)
+    assert "moe_mlpwi_1" in maxtext.saved_tags
+    # A dense layer has no untagged role that would help.
+    dense = nr.plan(TRN2, nr.get_model("fuji-7b-v3"), shape, par)
+    assert not any("tag covers" in n for n in dense.notes)
+
+
+# --- the line to paste ------------------------------------------------------------------------
+
+
+def test_an_axlearn_plan_ends_in_a_remat_spec_line_axlearn_runs(axlearn):
+    """The last line of the table, run against axlearn's own RematSpec, config_for_function
+    and save_and_offload_only_these_names_regex, gives a spec whose closure keeps the
+    planned tags."""
+    from axlearn.common.base_layer import RematSpec
+    from axlearn.common.config import config_for_function
+    from axlearn.common.utils import save_and_offload_only_these_names_regex
+
+    planned = nr.plan(TRN2, nr.get_model("fuji-70b-v3"), nr.StepShape(seq_len=8192,
+                                                                       micro_batch=2),
+                      nr.Parallelism(tp=4, sequence_parallel=True, fsdp=-1, hosts=64))
+    how, line = planned.paste()
+    assert planned.table().splitlines()[-1] == line and "remat_plan_modifier()" in how
+    cfg = _launch("70B", None)
+    exec(line, {"cfg": cfg, "RematSpec": RematSpec,  # noqa: S102  as a user pastes it
+                "config_for_function": config_for_function,
+                "save_and_offload_only_these_names_regex":
+                    save_and_offload_only_these_names_regex})
+    assert _saved_by(_spec(cfg)) == _matching(["q_proj", "k_proj", "v_proj", "o_proj"])
+    assert _spec(cfg).prevent_cse is True  # the TRN2 rule's StackedTransformerLayer

@@ -223,3 +223,90 @@ def test_first_answer_in_name_order_wins_and_a_broken_provider_is_skipped(
     monkeypatch.setenv("NEURON_REMAT_STRICT", "1")
     with pytest.raises(RuntimeError, match="provider bug"):
         nr.resolve_policy(layer="decoder")
+
+
+# --- a provider's prevent_cse ------------------------------------------------------------------
+
+
+@pytest.fixture
+def cse_provider(tmp_path, monkeypatch):
+    """A provider that answers layer "cse" with a policy AND prevent_cse=False."""
+    install_providers(tmp_path, "cse_provider", textwrap.dedent("""
+        import types
+        from jax.ad_checkpoint import checkpoint_policies
+
+        def answer(**context):
+            if context.get("layer") != "cse":
+                return None
+            return types.SimpleNamespace(policy=checkpoint_policies.nothing_saveable,
+                                         prevent_cse=False)
+    """), {"aaa_cse": "answer"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    plugin.clear_cache()
+    yield
+    sys.modules.pop("cse_provider", None)
+    plugin.clear_cache()
+
+
+def _remat_prevent_cse(fn, *args):
+    """The prevent_cse of the remat equations in `fn`'s jaxpr, as JAX records it."""
+    import jax
+
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if "prevent_cse" in eqn.params:
+                found.append(eqn.params["prevent_cse"])
+            for value in eqn.params.values():
+                inner = getattr(value, "jaxpr", value)  # a ClosedJaxpr or a Jaxpr
+                if hasattr(inner, "eqns"):
+                    walk(inner)
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+def test_the_adapters_honour_a_providers_prevent_cse(cse_provider, monkeypatch, caplog):
+    import flax.linen as nn
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from neuron_remat.adapters.flax import nnx_remat
+    from neuron_remat.adapters.flax import remat as linen_remat
+
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "cpu")
+    x = jnp.ones((4, 4))
+    body = lambda v: jnp.sin(v) @ v  # noqa: E731
+    # Unrolled layers default to prevent_cse=True; the provider says False, and JAX gets it.
+    assert _remat_prevent_cse(nr.checkpoint(body, layer="cse"), x) == [False]
+    assert _remat_prevent_cse(nr.checkpoint(body, layer="other"), x) == [True]
+    assert _remat_prevent_cse(nr.checkpoint(body, layer="cse", prevent_cse=True), x) == [True]
+    assert nr.checkpoint(body, layer="cse").prevent_cse is False
+
+    class Lin(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones((4, 4)))
+
+        def __call__(self, v):
+            return jnp.sin(v) @ self.w
+
+    fwd = nnx_remat(lambda m, v: m(v), layer="cse")
+    assert _remat_prevent_cse(lambda v: fwd(Lin(), v), x) == [False]
+
+    # Linen transforms the class when wrapped: the stack's value stands, and one warning
+    # names the value to pass.
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, v):
+            return jnp.sin(nn.Dense(4)(v))
+
+    Wrapped = linen_remat(Block, layer="cse")
+    block = Wrapped()
+    grad = __import__("jax").grad
+    with caplog.at_level(logging.WARNING, logger="neuron_remat"):
+        params = block.init(__import__("jax").random.PRNGKey(0), x)
+        # The policy is asked (and so resolved) when the backward is formed.
+        assert _remat_prevent_cse(grad(lambda v: block.apply(params, v).sum()), x) == [True]
+        _remat_prevent_cse(grad(lambda v: block.apply(params, v).sum()), x)
+    warned = [r for r in caplog.records if "answered prevent_cse=False" in r.getMessage()]
+    assert len(warned) == 1 and "pass prevent_cse=False" in warned[0].getMessage()

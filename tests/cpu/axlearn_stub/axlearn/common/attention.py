@@ -59,7 +59,7 @@ class RoFormerQKVLinear(BaseQKVLinear):
     @config_class
     class Config(BaseQKVLinear.Config):
         input_linear: Any = QKVLinear.default_config()
-        rotary_value: bool = True
+        rotary_value: Required[bool] = REQUIRED
 
 
 class MultiheadAttention(BaseLayer):

@@ -1,6 +1,6 @@
 """Stand-in for axlearn.common.base_layer (axlearn/common/base_layer.py at 34aed43c:
-``RematSpec`` is a dataclass of prevent_cse and policy; ``BaseLayer._remat_name`` tags
-``f"{type(self).__name__}.{name}"``; ``BaseLayer.Config.remat_spec`` defaults to None)."""
+``RematSpec`` (base_layer.py:235) is a dataclass of prevent_cse (default True) and policy
+(default None); ``BaseLayer.Config.remat_spec`` defaults to None)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,3 @@ class BaseLayer(Configurable):
         dtype: Optional[Any] = None
         remat_spec: Optional[RematSpec] = None
         param_partition_spec: Optional[Any] = None
-
-    @classmethod
-    def remat_name(cls, name: str) -> str:
-        """The checkpoint name this layer class gives `name` (as ``_remat_name`` does)."""
-        return f"{cls.__name__}.{name}"

@@ -1,27 +1,14 @@
-"""Stand-in for axlearn.common.causal_lm.Model and axlearn.common.decoder (34aed43c): the
-fields read (``model.dtype``, ``model.decoder.dim``, ``vocab_size``, ``transformer``,
-``lm_head``: None when the embedding is shared)."""
+"""Stand-in for axlearn.common.causal_lm (apple/axlearn 34aed43c): ``Model`` (causal_lm.py:359),
+whose Config holds ``decoder`` (a ``decoder.Decoder`` config, causal_lm.py:367) and, from
+``BaseLayer``, ``dtype``. ``LmHead`` and ``Decoder`` live in ``axlearn.common.decoder``."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from axlearn.common.base_layer import BaseLayer
-from axlearn.common.config import REQUIRED, Required, config_class
-
-
-class LmHead(BaseLayer):
-    pass
-
-
-class Decoder(BaseLayer):
-    @config_class
-    class Config(BaseLayer.Config):
-        dim: Required[int] = REQUIRED
-        vocab_size: Required[int] = REQUIRED
-        transformer: Any = REQUIRED
-        output_norm: Optional[Any] = None
-        lm_head: Optional[Any] = None
+from axlearn.common.config import config_class
+from axlearn.common.decoder import Decoder
 
 
 class Model(BaseLayer):

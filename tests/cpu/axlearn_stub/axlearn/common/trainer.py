@@ -1,7 +1,10 @@
-"""Stand-in for axlearn.common.trainer (34aed43c): the SpmdTrainer.Config fields a mesh rule
-and the adapter use, the input/learner configs beneath them (input_tf_data.Input,
-input_dispatch.SpmdInputDispatcher, learner.Learner), and ``select_mesh_config``
-(trainer.py:1414), which applies the first mesh rule whose regex fully matches."""
+"""Stand-in for axlearn.common.trainer (apple/axlearn 34aed43c): the ``SpmdTrainer.Config``
+fields a mesh rule and the adapter use (trainer.py:94-218: ``input``, ``mesh_shape``,
+``mesh_axis_names``, ``model`` and ``learner`` REQUIRED, ``batch_axis_names`` "data",
+``mesh_rules`` None, ``train_dtype`` None), ``Input`` imported from ``input_base``
+(trainer.py:39) and ``select_mesh_config`` (trainer.py:1414-1436), which applies the first
+mesh rule whose regex fully matches the selector: a shape (or None) is the mesh, anything
+else is a ConfigModifier config that is instantiated and called on the trainer config."""
 
 from __future__ import annotations
 
@@ -9,42 +12,21 @@ import re
 from typing import Any, Optional
 
 from axlearn.common.config import REQUIRED, Configurable, Required, config_class, maybe_instantiate
-
-
-class SpmdInputDispatcher(Configurable):
-    @config_class
-    class Config(Configurable.Config):
-        global_logical_batch_size: Required[int] = REQUIRED
-        partition_spec: Optional[Any] = None
-
-
-class Input(Configurable):
-    @config_class
-    class Config(Configurable.Config):
-        is_training: bool = True
-        source: Any = REQUIRED
-        input_dispatcher: Any = SpmdInputDispatcher.default_config()
-
-
-class Learner(Configurable):
-    @config_class
-    class Config(Configurable.Config):
-        optimizer: Optional[Any] = None
-        forward_fn_transformation: Optional[Any] = None
+from axlearn.common.input_base import Input  # noqa: F401  (as trainer.py imports it)
 
 
 class SpmdTrainer(Configurable):
     @config_class
     class Config(Configurable.Config):
         name: str = "trainer"
-        model: Any = REQUIRED
-        input: Any = REQUIRED
-        learner: Any = Learner.default_config()
-        train_dtype: Any = "float32"
-        mesh_shape: Optional[Any] = None
-        mesh_axis_names: Optional[Any] = None
+        input: Required[Any] = REQUIRED
+        mesh_shape: Required[Any] = REQUIRED
+        mesh_axis_names: Required[Any] = REQUIRED
+        batch_axis_names: Optional[Any] = "data"
         mesh_rules: Optional[Any] = None
-        batch_axis_names: Any = "data"
+        model: Required[Any] = REQUIRED
+        learner: Required[Any] = REQUIRED
+        train_dtype: Optional[Any] = None
 
 
 def select_mesh_config(trainer_config: Any, *, mesh_selector: str) -> None:

@@ -1,11 +1,18 @@
-"""Stand-in for axlearn.common.utils: ``save_and_offload_only_these_names_regex`` with
-axlearn's keyword-only signature (axlearn/common/utils.py at 34aed43c). Its behaviour is
-supplied by neuron_remat's implementation of the same function, so a policy built from a
-config can be run under jax.checkpoint in the tests."""
+"""Stand-in for axlearn.common.utils (apple/axlearn 34aed43c):
+``save_and_offload_only_these_names_regex`` (utils.py:163-196), with axlearn's keyword-only
+signature and behaviour. It returns a plain closure, as axlearn's does: for the name
+primitive, a name that fully matches ``names_which_can_be_saved`` (when that pattern is
+given) is Saveable, else one fully matching ``names_which_can_be_offloaded`` is
+Offloadable(offload_src -> offload_dst); everything else is recomputed. Written for the tests;
+no axlearn code."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+from jax._src.ad_checkpoint import name_p
+from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 
 
 def save_and_offload_only_these_names_regex(
@@ -15,9 +22,14 @@ def save_and_offload_only_these_names_regex(
     offload_src: Any,
     offload_dst: Any,
 ) -> Any:
-    from neuron_remat import policies
+    def decide(prim: Any, *_: Any, **params: Any) -> Any:
+        if str(prim) != str(name_p):
+            return Recompute
+        name = params["name"]
+        if names_which_can_be_saved and re.fullmatch(names_which_can_be_saved, name):
+            return Saveable
+        if names_which_can_be_offloaded and re.fullmatch(names_which_can_be_offloaded, name):
+            return Offloadable(src=offload_src, dst=offload_dst)
+        return Recompute
 
-    return policies.save_and_offload_only_these_names_regex(
-        names_which_can_be_saved=names_which_can_be_saved,
-        names_which_can_be_offloaded=names_which_can_be_offloaded,
-        offload_src=offload_src, offload_dst=offload_dst)
+    return decide
