@@ -115,7 +115,9 @@ def layer_graph(config: TransformerConfig, shape: StepShape,
         out = val(f"{name}_out", (t_rep, h))
         reads_input = f32 and config.norm == "rms"
         ops.append(Op(name, (src,), out, per_elem * n + t_rep,
-                      needs=(src,) if reads_input else (), internal=internal))
+                      needs=(src,) if reads_input else (), internal=internal,
+                      kind="elementwise", parts=(("elementwise", per_elem * n),
+                                                 ("transcendental", t_rep))))
         return out
 
     def matmul(name: str, src: str, out_shape: tuple[int, ...], contract: int,
@@ -123,7 +125,8 @@ def layer_graph(config: TransformerConfig, shape: StepShape,
                inputs: tuple[str, ...] | None = None) -> str:
         out = val(name, out_shape, role, dot=True, batch_dot=batch)
         ops.append(Op(f"{name}_matmul", inputs or (src,), out,
-                      2 * math.prod(out_shape) * contract, needs=reads or (src,)))
+                      2 * math.prod(out_shape) * contract, needs=reads or (src,),
+                      kind="matmul"))
         return out
 
     x = val("x", (t_rep, h), "input")
@@ -139,7 +142,11 @@ def layer_graph(config: TransformerConfig, shape: StepShape,
         ctx = val("context", (t_full, heads, d), "context", extra_bytes=lse)
         causal = 0.5 if config.causal else 1.0  # kernels skip fully masked blocks
         attn = int(causal * (4 * b * heads * s * s * d + 5 * b * heads * s * s))
-        ops.append(Op("flash_attention", (q, k, v), ctx, attn, needs=(q, k, v, ctx)))
+        scores = int(causal * b * heads * s * s)  # one exp per score, 4 more vector ops
+        ops.append(Op("flash_attention", (q, k, v), ctx, attn, needs=(q, k, v, ctx),
+                      kind="matmul", parts=(("matmul", attn - 5 * scores),
+                                            ("transcendental", scores),
+                                            ("elementwise", 4 * scores))))
     else:
         scores = matmul("scores", q, (b, heads, s, s), d, None, batch=True, reads=(q, k),
                         inputs=(q, k))
@@ -151,13 +158,15 @@ def layer_graph(config: TransformerConfig, shape: StepShape,
         internal = (("softmax exp (float32)", elems * 4), ("softmax row sums (float32)", 2 * small))
         if config.causal:
             internal += (("causal mask (bool)", elems), ("masked scores", elems * ebytes))
-        ops.append(Op("softmax", (scores,), probs, sm_flops, internal=internal))
+        ops.append(Op("softmax", (scores,), probs, sm_flops, internal=internal,
+                      kind="transcendental", parts=(("transcendental", elems),
+                                                    ("elementwise", sm_flops - elems))))
         ctx = matmul("context", probs, (t_full, heads, d), s, "context", batch=True,
                      reads=(probs, v), inputs=(probs, v))
     # Output projections run over all t_full tokens per core, then reduce-scatter to t_rep.
     o = matmul("o", ctx, (t_rep, h), heads * d * sp, "o_proj")
     x1 = val("x1", (t_rep, h))
-    ops.append(Op("residual1", (x, o), x1, t_rep * h))
+    ops.append(Op("residual1", (x, o), x1, t_rep * h, kind="elementwise"))
     n2 = norm("norm2", x1)
     a = matmul("linear1_0", n2, (t_full, f), h, "linear1_0")
     n_ff = t_full * f
@@ -168,14 +177,16 @@ def layer_graph(config: TransformerConfig, shape: StepShape,
         g_in = matmul("linear1_1", n2, (t_full, f), h, "linear1_1")
         internal = (("activation pieces", (pieces + 1) * n_ff * ebytes),)
         ops.append(Op("activation", (a, g_in), gate, (act_flops + 1) * n_ff,
-                      needs=(a, g_in), internal=internal))
+                      needs=(a, g_in), internal=internal, kind="transcendental",
+                      parts=(("transcendental", n_ff), ("elementwise", act_flops * n_ff))))
     else:
         internal = (("activation pieces", pieces * n_ff * ebytes),)
         ops.append(Op("activation", (a,), gate, act_flops * n_ff, needs=(a,),
-                      internal=internal))
+                      internal=internal, kind="transcendental",
+                      parts=(("transcendental", n_ff), ("elementwise", (act_flops - 1) * n_ff))))
     y = matmul("linear2", gate, (t_rep, h), f * sp, "linear2")
     out = val("out", (t_rep, h))
-    ops.append(Op("residual2", (x1, y), out, t_rep * h))
+    ops.append(Op("residual2", (x1, y), out, t_rep * h, kind="elementwise"))
     return LayerGraph(values=values, ops=tuple(ops))
 
 
@@ -188,7 +199,7 @@ def _fused_qkv(val: Any, matmul: Any, ops: list[Op], n1: str, t_full: int, heads
     out = []
     for name, role, n in (("q", "q_proj", heads), ("k", "k_proj", kv), ("v", "v_proj", kv)):
         out.append(val(name, (t_full, n, d), role))
-        ops.append(Op(f"{name}_slice", (qkv,), name, 0))
+        ops.append(Op(f"{name}_slice", (qkv,), name, 0, kind="layout"))
     return out[0], out[1], out[2]
 
 
