@@ -8,7 +8,7 @@ import sys
 import neuron_remat
 
 ORDER = ["device", "models", "graph", "moe", "memory_model", "_trace", "_regex", "policies",
-         "audit", "planner", "fit", "multihost", "plugin", "cli"]
+         "stack", "audit", "planner", "fit", "multihost", "plugin", "cli"]
 PACKAGE = pathlib.Path(neuron_remat.__file__).parent
 
 
