@@ -517,6 +517,7 @@ def plan(
     rates: EngineRates | str | None = None,
     per_layer: bool = False,
     layers: int | None = None,
+    max_sets: int | None = 2,
 ) -> Plan:
     per_layer_mix = bool(per_layer)
     """Choose the tags to save: the set that fits the budget with the least recompute.
@@ -544,7 +545,9 @@ def plan(
     layers together within the budget, least total recompute (an exact knapsack over the
     layers). The plan's fields stay those of the best uniform set; `Plan.layer_mix` and
     `Plan.layer_policies` (one policy per layer, None when the best mix is uniform) give
-    the mix.
+    the mix. `max_sets` bounds the distinct sets in the mix (2: a scanned stack runs as two
+    scans, `scan_layers`; each further scan costs the compiler another working set); None
+    leaves it free.
     """
     notes: list[str] = []
     bud: mm.Budget | None = None
@@ -675,8 +678,12 @@ def plan(
 
             def cap_for(tags: tuple[str, ...]) -> int:
                 return fixed
+        if max_sets is not None and (isinstance(max_sets, bool) or not isinstance(
+                max_sets, int) or max_sets < 1):
+            raise ValueError(f"max_sets={max_sets!r}: give a positive int (distinct save "
+                             "sets in a per-layer plan) or None")
         mix, layer_policies, rounded = _layer_mix(fp, cost_fp, obj, usable, layers, cap_for,
-                                                  best, names, patterns)
+                                                  best, names, patterns, max_sets)
         if rounded:
             notes.append("per-layer plan: bytes rounded up to coarser units to keep the "
                          "knapsack small; the mix fits but may be short of the optimum")
@@ -888,7 +895,8 @@ MAX_KNAPSACK_CELLS = 1 << 23
 to coarser units (the mix still fits, but may be slightly short of the optimum)."""
 
 
-def _knapsack(points: Sequence[tuple[int, float]], layers: int, cap: int
+def _knapsack(points: Sequence[tuple[int, float]], layers: int, cap: int,
+              max_sets: int | None = None
               ) -> tuple[float, int, tuple[int, ...], bool] | None:
     """Counts of each point for `layers` layers with total kept bytes <= `cap` and the
     least total cost (then the fewest bytes): a dynamic programme over layers x bytes in
@@ -900,6 +908,21 @@ def _knapsack(points: Sequence[tuple[int, float]], layers: int, cap: int
     n = len(points)
     if not n or cap < 0:
         return None
+    if max_sets is not None and max_sets <= 2:
+        return _knapsack_pairs(points, layers, cap, max_sets)
+    if max_sets is not None and max_sets < n:  # every choice of max_sets points, exactly
+        found = None
+        for chosen in itertools.combinations(range(n), max_sets):
+            got = _knapsack([points[i] for i in chosen], layers, cap)
+            if got is not None and (found is None or got[:2] < found[0][:2]):
+                found = (got, chosen)
+        if found is None:
+            return None
+        (total, nbytes, sub, exact), chosen = found
+        counts = [0] * n
+        for i, k in zip(chosen, sub):
+            counts[i] = k
+        return total, nbytes, tuple(counts), exact
     unit = 0
     for b, _ in points:
         unit = math.gcd(unit, int(b))
@@ -938,9 +961,33 @@ def _knapsack(points: Sequence[tuple[int, float]], layers: int, cap: int
     return total, nbytes, tuple(counts), exact
 
 
+def _knapsack_pairs(points: Sequence[tuple[int, float]], layers: int, cap: int,
+                    max_sets: int) -> tuple[float, int, tuple[int, ...], bool] | None:
+    """`_knapsack` with at most `max_sets` (1 or 2) distinct points: every pair and count,
+    exactly."""
+    n = len(points)
+    best: tuple[float, int, tuple[int, ...]] | None = None
+    pairs = [(i, i) for i in range(n)] if max_sets == 1 else \
+        [(i, j) for i in range(n) for j in range(i, n)]
+    for i, j in pairs:
+        (bi, ci), (bj, cj) = points[i], points[j]
+        for k in range(layers + 1) if i != j else (layers,):
+            nbytes = k * bi + (layers - k) * bj
+            if nbytes > cap:
+                continue
+            cost = k * ci + (layers - k) * cj
+            if best is None or (cost, nbytes) < best[:2]:
+                counts = [0] * n
+                counts[i] += k
+                counts[j] += layers - k
+                best = (cost, nbytes, tuple(counts))
+    return None if best is None else (best[0], best[1], best[2], True)
+
+
 def _layer_mix(fp: mm.Footprint, cost_fp: mm.Footprint, objective: str,
                usable: Sequence[str], layers: int, cap_for: Callable[[tuple[str, ...]], int],
-               best: Choice, names: Sequence[str], patterns: Mapping[str, str]
+               best: Choice, names: Sequence[str], patterns: Mapping[str, str],
+               max_sets: int | None = None
                ) -> tuple[tuple[LayerMix, ...], tuple[RegexPolicy, ...] | None, bool]:
     """The optimal mix of frontier sets over `layers` layers (`plan(per_layer=True)`).
 
@@ -959,7 +1006,7 @@ def _layer_mix(fp: mm.Footprint, cost_fp: mm.Footprint, objective: str,
     rounded = False
     for cap in sorted(set(caps.values()), reverse=True):
         allowed = [p for p in points if caps[p[2]] >= cap]
-        answer = _knapsack([(p[0], p[1]) for p in allowed], layers, cap)
+        answer = _knapsack([(p[0], p[1]) for p in allowed], layers, cap, max_sets)
         if answer is None:
             continue
         cost, nbytes, counts, exact = answer

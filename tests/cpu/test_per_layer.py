@@ -10,7 +10,7 @@ import pytest
 import neuron_remat as nr
 from neuron_remat import memory_model as mm
 
-from small_layer import CFG, layer, make_args
+from small_layer import CFG, layer
 
 CANDS = ["MultiheadAttention.q_proj", "MultiheadAttention.k_proj",
          "TransformerFeedForwardLayer.linear1_0"]
@@ -18,7 +18,11 @@ CANDS = ["MultiheadAttention.q_proj", "MultiheadAttention.k_proj",
 
 @pytest.fixture(scope="module")
 def footprint():
-    x, params = make_args()
+    """The small layer's traced footprint, from abstract arguments (nothing runs)."""
+    from neuron_remat import reference as ref
+
+    params = jax.eval_shape(lambda: ref.init_layer(jax.random.PRNGKey(0), CFG))
+    x = jax.ShapeDtypeStruct((2, 8, CFG.hidden), jnp.float32)
     return nr.traced_footprint(layer, x, params)
 
 
@@ -26,10 +30,14 @@ def _subsets(tags):
     return [s for r in range(len(tags) + 1) for s in itertools.combinations(tags, r)]
 
 
-def _brute(costs, layers, cap):
-    """Least total recompute over every assignment of a subset to each layer."""
+def _brute(costs, layers, cap, max_sets=None):
+    """Least total recompute over every assignment of a subset to each layer (using at
+    most `max_sets` distinct subsets)."""
     best = None
-    for combo in itertools.product(costs, repeat=layers):
+    for combo in itertools.product(range(len(costs)), repeat=layers):
+        if max_sets is not None and len(set(combo)) > max_sets:
+            continue
+        combo = [costs[i] for i in combo]
         kept = sum(c[0] for c in combo)
         if kept <= cap:
             flops = sum(c[1] for c in combo)
@@ -48,8 +56,13 @@ def test_mix_is_the_brute_force_optimum(footprint, layers):
     for frac in (0.1, 0.3, 0.45, 0.6, 0.8, 0.95):
         budget = int(lo + frac * (hi - lo))
         p = nr.plan(footprint=footprint, budget_bytes=budget, candidates=cands,
-                    layers=layers, per_layer=True, min_flops_per_byte=0)
+                    layers=layers, per_layer=True, min_flops_per_byte=0, max_sets=None)
         expected = _brute(costs, layers, budget * layers)
+        two = nr.plan(footprint=footprint, budget_bytes=budget, candidates=cands,
+                      layers=layers, per_layer=True, min_flops_per_byte=0)
+        assert len(two.layer_mix) <= 2
+        assert two.mixed_recompute_flops == pytest.approx(
+            _brute(costs, layers, budget * layers, max_sets=2), rel=1e-12)
         assert p.mixed_recompute_flops == pytest.approx(expected, rel=1e-12)
         assert p.mixed_kept_bytes <= budget * layers
         assert sum(m.layers for m in p.layer_mix) == layers
@@ -101,7 +114,7 @@ def test_analytic_mix_respects_each_sets_workspace():
                 best = f if best is None else min(best, f)
         try:
             p = nr.plan(dev, cfg, shape, par, candidates=cands, per_layer=True,
-                        objective="flops", min_flops_per_byte=0)
+                        objective="flops", min_flops_per_byte=0, max_sets=None)
         except nr.NoFitError:
             assert best is None
             continue
