@@ -5,7 +5,8 @@ is compiled with `neuron_remat.scan_layers`:
 
 1. k of 8 layers with no remat and the rest saving every tag, k = 0, 2, 4, 6, 8: the
    compiled step's bytes (``memory_analysis``) against k;
-2. uniform plans (full remat, every tag) and the per-layer plan at memory limits between
+2. uniform plans (full remat, every tag) and the per-layer plan (at most two sets: two
+   scans; the cost of a second scan measured and reserved) at memory limits between
    them: the limit comes from the compiled uniform steps (the intercept of compiled bytes
    against the traced kept bytes), the plan from ``plan(footprint=..., per_layer=True)``;
    each mixed step is compiled for its bytes (rolled scans) and FLOPs (``unroll=True``:
@@ -109,10 +110,17 @@ def main() -> None:
     slope = (uni["every"]["bytes"] - uni["full"]["bytes"]) / (L * (kept_every - kept_full))
     fixed = uni["full"]["bytes"] - slope * L * kept_full
     print(f"compiled bytes = {fixed / 2**20:.2f} MiB + {slope:.3f} x traced kept bytes")
+    # What running the stack as two scans costs by itself: the same save set in both runs
+    # (the second policy names one more pattern, which matches no tag).
+    alt = nr.RegexPolicy([*every.save, "no_such_tag"])
+    split = cached("split-every", lambda: compile_step([every] * (L // 2) + [alt] * (L // 2)),
+                   cache)["bytes"] - uni["every"]["bytes"]
+    print(f"two scans instead of one: {split / 2**20:+.2f} MiB")
+    out["split_overhead_bytes"] = split
     rows = []
     for frac in (0.25, 0.5, 0.75):
         limit = uni["full"]["bytes"] + frac * (uni["every"]["bytes"] - uni["full"]["bytes"])
-        budget = int((limit - fixed) / slope / L)
+        budget = int((limit - fixed - max(split, 0)) / slope / L)
         plan = nr.plan(footprint=fp, budget_bytes=budget, layers=L, per_layer=True,
                        objective="flops")
         pols = plan.layer_policies or plan.policy

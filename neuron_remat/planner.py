@@ -984,6 +984,10 @@ def _knapsack_pairs(points: Sequence[tuple[int, float]], layers: int, cap: int,
     return None if best is None else (best[0], best[1], best[2], True)
 
 
+MIX_WORKSPACE_TAGS = 10
+"""Candidate tags up to which a per-layer plan prices every tag set's own workspace."""
+
+
 def _layer_mix(fp: mm.Footprint, cost_fp: mm.Footprint, objective: str,
                usable: Sequence[str], layers: int, cap_for: Callable[[tuple[str, ...]], int],
                best: Choice, names: Sequence[str], patterns: Mapping[str, str],
@@ -995,7 +999,11 @@ def _layer_mix(fp: mm.Footprint, cost_fp: mm.Footprint, objective: str,
     used (the largest workspace of the sets used decides, so each distinct capacity is
     solved with the sets that allow it). The best uniform set is always a candidate, so the
     mix never does worse than it."""
-    points = _frontier(_all_sets(cost_fp, fp, usable))
+    every = _all_sets(cost_fp, fp, usable)
+    # Each set's own capacity (its workspace) matters: a set the frontier drops for a tie
+    # can allow more bytes. Up to 2**MIX_WORKSPACE_TAGS sets are each priced; beyond, the
+    # frontier's only.
+    points = every if len(usable) <= MIX_WORKSPACE_TAGS else _frontier(every)
     best_cost = best.recompute_flops if objective == "flops" else round(
         (best.recompute_seconds or 0.0) * PICOSECONDS)
     mine = tuple(sorted(best.tags))
@@ -1005,7 +1013,7 @@ def _layer_mix(fp: mm.Footprint, cost_fp: mm.Footprint, objective: str,
     found: tuple[float, int, list[tuple[tuple[str, ...], int]]] | None = None
     rounded = False
     for cap in sorted(set(caps.values()), reverse=True):
-        allowed = [p for p in points if caps[p[2]] >= cap]
+        allowed = _frontier(p for p in points if caps[p[2]] >= cap)
         answer = _knapsack([(p[0], p[1]) for p in allowed], layers, cap, max_sets)
         if answer is None:
             continue

@@ -98,7 +98,8 @@ def test_analytic_mix_respects_each_sets_workspace():
     shape = nr.StepShape(seq_len=512)
     par = nr.Parallelism(tp=1)
     cands = ["q_proj", "o_proj", "linear1_0"]
-    for hbm in ("24MiB", "28MiB", "32MiB", "40MiB"):
+    planned = 0
+    for hbm in ("79872KiB", "80896KiB", "82432KiB", "82944KiB"):  # 78 to 81 MiB
         dev = nr.parse_device(f"trn2:hbm={hbm}:cores=1")
         bud = mm.budget(dev, cfg, shape, par)
         fp = mm.layer_footprint(cfg, shape, par)
@@ -119,6 +120,45 @@ def test_analytic_mix_respects_each_sets_workspace():
             assert best is None
             continue
         assert p.mixed_recompute_flops == pytest.approx(best, rel=1e-12), hbm
+        planned += 1
+    assert planned >= 3
+
+
+MIX_DEVICE = "trn2:hbm=82432KiB:cores=1"
+MIX_MODEL = nr.TransformerConfig(hidden=256, heads=4, kv_heads=2, ffn=768, layers=4, vocab=256,
+                                 name="mix-4")
+
+
+def test_provider_and_adapters_answer_per_layer_index(monkeypatch):
+    """`layer_index=` (unrolled stacks): each layer gets its own policy of the per-layer
+    plan, through the provider and the JAX, Flax and Equinox adapters' deferred policy."""
+    from neuron_remat import plugin
+    from neuron_remat.adapters import equinox as eqx_adapter
+    from neuron_remat.adapters import flax as flax_adapter
+
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", MIX_DEVICE)
+    ctx = dict(model=MIX_MODEL, shape={"seq_len": 512}, parallelism={"tp": 1})
+    whole = nr.plan(nr.parse_device(MIX_DEVICE), MIX_MODEL, nr.StepShape(seq_len=512),
+                    nr.Parallelism(tp=1), per_layer=True)
+    assert whole.layer_policies is not None and len(set(whole.layer_policies)) == 2
+    got = [plugin.provide(layer_index=i, **ctx).policy for i in range(4)]
+    assert got == list(whole.layer_policies)
+    assert plugin.provide(**ctx).policy == whole.policy  # no index: the uniform plan
+    f = nr.checkpoint(lambda x: x, layer_index=3, **ctx)
+    x = jnp.ones(3)
+    jax.grad(lambda x: jnp.sum(f(x)))(x)  # resolves when traced
+    deferred = [plugin.deferred(layer_index=i, stack="stacked", **ctx) for i in range(4)]
+    assert [d.resolve().policy for d in deferred] == list(whole.layer_policies)
+    # the Flax and Equinox adapters carry layer_index in the same deferred context
+    _, pol = plugin.remat_args("stacked", None, None, dict(layer_index=1, **ctx))
+    assert pol.resolve().policy == whole.layer_policies[1]
+    assert callable(flax_adapter.remat) and callable(eqx_adapter.filter_checkpoint)
+    with pytest.raises(ValueError, match="layer_index=4"):
+        plugin._provide(None, "stacked", MIX_MODEL, None, {"seq_len": 512}, {"tp": 1},
+                        nr.parse_device(MIX_DEVICE), 4)
+    with pytest.raises(ValueError, match="layer_index=-1"):
+        plugin._provide(None, "stacked", MIX_MODEL, None, {"seq_len": 512}, {"tp": 1},
+                        nr.parse_device(MIX_DEVICE), -1)
 
 
 def test_table_and_json_show_the_mix(footprint):
