@@ -25,10 +25,11 @@ from .models import (
     from_hf_config,
     get_model,
 )
-from .planner import CompiledFit, NoFitError, Plan, Probe, plan
-from .fit import fit, fit_table
+from .planner import CompiledFit, LayerMix, NoFitError, Plan, Probe, plan
+from .fit import fit, fit_per_layer, fit_table
 from .multihost import PolicyMismatchError
 from .plugin import RematChoice, checkpoint, provide, resolve_policy
+from .stack import scan_layers
 from .policies import PRESETS, RegexPolicy, preset, save_and_offload_only_these_names_regex
 
 __version__ = "0.1.0"
@@ -40,5 +41,6 @@ __all__ = [
     "TagNames", "TransformerConfig", "audit", "budget", "checkpoint", "detect", "fit",
     "fit_table", "from_hf_config", "from_instance_type", "get_model", "layer_footprint",
     "model_state_bytes", "parse_device", "plan", "preset", "provide", "resolve_policy",
+    "scan_layers", "fit_per_layer", "LayerMix",
     "save_and_offload_only_these_names_regex", "traced_footprint",
 ]

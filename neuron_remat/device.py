@@ -50,10 +50,13 @@ __all__ = [
     "INSTANCES",
     "ChipFacts",
     "DeviceSpec",
+    "ENGINE_RATES",
+    "EngineRates",
     "Evidence",
     "InstanceFacts",
     "NEURON_FAMILIES",
     "detect",
+    "engine_rates",
     "from_instance_type",
     "looks_like_neuron",
     "parse_bytes",
@@ -909,3 +912,97 @@ def _mark_decided(notes: list[Evidence], step: str) -> tuple[Evidence, ...]:
             note, done = dataclasses.replace(note, decided=True), True
         out.append(note)
     return tuple(out)
+
+
+# --------------------------------------------------------------------------------------
+# Engine rates, for the time objective (`graph.op_seconds`).
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineRates:
+    """Peak rates of one core (the unit a `LayerGraph` describes), per engine.
+
+    Attributes:
+        name: a short key (``trn2-core``, ``h100-sxm``, ``h200-sxm``).
+        tensor_flops: matmul FLOP/s (bf16 dense).
+        vector_flops: elementwise and reduction FLOP/s (fp32).
+        scalar_flops: transcendental (exp, tanh, rsqrt, ...) FLOP/s (fp32): one per element.
+        hbm_bytes_per_s: HBM bandwidth one core gets.
+        source: where the figures come from.
+        derived: what was computed from the published figures, in words.
+    """
+
+    name: str
+    tensor_flops: float
+    vector_flops: float
+    scalar_flops: float
+    hbm_bytes_per_s: float
+    source: str
+    derived: str = ""
+
+    def scaled(self, cores: int, name: str | None = None) -> EngineRates:
+        """The rates of `cores` of these cores working as one (a TRN2 logical core at
+        LNC=2 is two physical cores)."""
+        if cores == 1:
+            return self
+        return dataclasses.replace(
+            self, name=name or f"{self.name}x{cores}", tensor_flops=self.tensor_flops * cores,
+            vector_flops=self.vector_flops * cores, scalar_flops=self.scalar_flops * cores,
+            hbm_bytes_per_s=self.hbm_bytes_per_s * cores,
+            derived=(self.derived + "; " if self.derived else "") + f"x{cores} cores")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+ENGINE_RATES: dict[str, EngineRates] = {
+    # One physical NeuronCore-v3. Engines: aws-neuron-sdk about-neuron/arch/neuron-hardware/
+    # neuron-core-v3.rst and trainium2.rst (tensor ~79 TFLOP/s bf16 dense per core, vector
+    # ~1.0 and scalar ~1.2 TFLOP/s fp32); HBM 2.9 TB/s per chip shared by 8 physical cores.
+    "trn2-core": EngineRates(
+        "trn2-core", 79e12, 1.0e12, 1.2e12, 2.9e12 / 8,
+        source="aws-neuron-sdk about-neuron/arch/neuron-hardware/trainium2.rst and "
+        "neuron-core-v3.rst (tensor ~79 TFLOP/s bf16, vector ~1.0, scalar ~1.2 TFLOP/s "
+        "fp32 per physical core; HBM 2.9 TB/s per chip)",
+        derived="HBM per physical core = 2.9 TB/s / 8 cores"),
+    # NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16 tensor 989 TFLOP/s dense (1,979
+    # with sparsity), FP32 67 TFLOP/s, HBM3 3.35 TB/s.
+    "h100-sxm": EngineRates(
+        "h100-sxm", 989e12, 67e12, 67e12, 3.35e12,
+        source="NVIDIA H100 Tensor Core GPU datasheet, SXM column (BF16 tensor 1,979 "
+        "TFLOP/s with sparsity = 989 dense; FP32 67 TFLOP/s; 3.35 TB/s)",
+        derived="transcendentals priced at the FP32 rate (the datasheet gives no SFU rate)"),
+    # NVIDIA H200 Tensor Core GPU datasheet (SXM): same compute as H100 SXM, HBM3e 4.8 TB/s.
+    "h200-sxm": EngineRates(
+        "h200-sxm", 989e12, 67e12, 67e12, 4.8e12,
+        source="NVIDIA H200 Tensor Core GPU datasheet, SXM column (BF16 tensor 1,979 "
+        "TFLOP/s with sparsity = 989 dense; FP32 67 TFLOP/s; 4.8 TB/s)",
+        derived="transcendentals priced at the FP32 rate (the datasheet gives no SFU rate)"),
+}
+"""Per-core engine rates the time objective prices ops with; `engine_rates(device)` picks
+one for a `DeviceSpec`."""
+
+
+def engine_rates(device: DeviceSpec | None, name: str | None = None) -> EngineRates | None:
+    """The rates of one core of `device` (or the `ENGINE_RATES` entry `name`), or None when
+    no figures are known (the time objective then cannot be used).
+
+    TRN2: a logical core is `DeviceSpec.physical_cores_per_core` physical cores. GPUs: by
+    JAX's ``device_kind`` (``NVIDIA H100 80GB HBM3``, ``NVIDIA H200``)."""
+    if name is not None:
+        if name not in ENGINE_RATES:
+            raise ValueError(f"rates={name!r} is not a known device; valid: "
+                             f"{', '.join(ENGINE_RATES)}")
+        return ENGINE_RATES[name]
+    if device is None:
+        return None
+    if device.family == "trn2":
+        lnc = device.physical_cores_per_core
+        return ENGINE_RATES["trn2-core"].scaled(lnc, f"trn2-lnc{lnc}")
+    kind = (device.device_kind or "").upper()
+    if device.family == "gpu" and "H200" in kind:
+        return ENGINE_RATES["h200-sxm"]
+    if device.family == "gpu" and "H100" in kind:
+        return ENGINE_RATES["h100-sxm"]
+    return None

@@ -450,7 +450,8 @@ class _Search:
 # fit
 # --------------------------------------------------------------------------------------
 
-_OPTIONS = ("candidates", "max_compiles", "progress", "band", "runner_ups")
+_OPTIONS = ("candidates", "max_compiles", "progress", "band", "runner_ups", "per_layer",
+            "max_sets")
 
 
 def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None = None,
@@ -481,6 +482,14 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
     Raises `NoFitError` (with the numbers) when no compiled save set fits, and ValueError
     when the step has no checkpointed layer or an option is wrong.
     """
+    if plan_options.get("per_layer"):  # the uniform fit, then a compiled mix (fit_per_layer)
+        options = {k: v for k, v in plan_options.items() if k not in ("per_layer", "max_sets")}
+        uniform = fit(make_step, *args, device=device, reserve=reserve, **options)
+        return fit_per_layer(uniform, make_step, *args,
+                             max_sets=plan_options.get("max_sets", 2),
+                             progress=plan_options.get("progress"))
+    plan_options.pop("per_layer", None)
+    plan_options.pop("max_sets", None)
     unknown = sorted(set(plan_options) - set(_OPTIONS))
     if unknown:
         raise TypeError(f"fit() got unknown options {unknown}; valid: {', '.join(_OPTIONS)}")
@@ -727,3 +736,84 @@ def fit_table(plan: Plan) -> str:
     lines.append("")
     lines.append(plan.table())
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------
+# Per-layer plans against the compiled step (``fit(..., per_layer=True)``).
+# --------------------------------------------------------------------------------------
+
+
+def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
+                  max_sets: int | None = 2,
+                  progress: Callable[[str], None] | None = None) -> Plan:
+    """A per-layer mix of save sets for the step `uniform` was fitted on, confirmed by
+    compiling it.
+
+    Relies only on what `fit` returns and on the step: `uniform.compiled` (the limit, the
+    fitted intercept `fixed_bytes` and `workspace_slope`), `uniform.saved_tags` and the
+    step's layer graph (`step_graph`). The mix is `planner`'s exact knapsack over the
+    layers with each set's own capacity ``limit - fixed - slope x read(set)``, and
+    ``make_step`` is then called with a tuple of one policy per layer (`scan_layers` runs
+    such a tuple as one scan per run of equal policies). When the compiled mix does not
+    fit, the capacity is lowered by the overshoot and tried once more; when it still does
+    not fit (or the step has layers of several kinds, or no memory analysis), the uniform
+    plan is returned with a note.
+    """
+    from . import planner  # noqa: PLC0415
+    from .memory_model import Footprint, TagCost  # noqa: PLC0415
+
+    say = progress or (lambda line: logger.info("%s", line))
+    rec = uniform.compiled
+    graph = step_graph(make_step, *args)
+
+    def keep(note: str) -> Plan:
+        return dataclasses.replace(uniform, notes=(*uniform.notes, note))
+
+    if rec is None or not rec.measured:
+        return keep("per-layer plan: not tried (no compiled calibration)")
+    if len(graph.layers) != 1:
+        return keep(f"per-layer plan: not tried ({len(graph.layers)} kinds of checkpointed "
+                    "layer; one scanned stack is supported)")
+    layer = graph.layers[0]
+    g, n = layer.graph, layer.count
+    roles = {t for t in graph.tags if t in g.role_values()}
+    tags = tuple(t for t in graph.tags if t in roles)
+    fp = Footprint({t: TagCost(0, 0.0) for t in tags}, always_kept_bytes=0, graph=g,
+                   roles={t: t for t in tags})
+    usable = [t for t in tags if g.cost_of_roles((t,))[1] < g.cost_of_roles(())[1]]
+    best_tags = tuple(t for t in uniform.saved_tags if t in usable)
+    kept, flops = g.cost_of_roles(best_tags)
+    best = planner.Choice(best_tags, kept, float(flops))
+    probes = list(rec.probes)
+    margin = 0
+    for attempt in range(2):
+        def cap_for(s: tuple[str, ...], margin: int = margin) -> int:
+            return int(rec.limit_bytes - rec.fixed_bytes - margin
+                       - rec.workspace_slope * layer.recomputed_read_bytes(s))
+
+        mix, per, _ = planner._layer_mix(fp, fp, "flops", usable, n, cap_for, best,
+                                         list(tags), {t: t for t in tags}, max_sets)
+        if per is None:
+            return dataclasses.replace(uniform, layer_mix=mix, layer_policies=None)
+        say(f"compile {len(probes) + 1}: per-layer mix " + "; ".join(
+            f"{m.layers} x {list(m.tags)}" for m in mix) + " ...")
+        try:
+            c = _compile(make_step(per), args)
+        except _NoMemoryAnalysis:
+            return keep("per-layer plan: the backend has no memory_analysis(); not confirmed")
+        probes.append(Probe("per-layer mix", None, c.bytes, c.argument, c.output, c.temp,
+                            c.alias, c.flops, c.seconds))
+        say(f"compile {len(probes)}: {fmt_bytes(c.bytes)} "
+            f"({'fits' if c.bytes <= rec.limit_bytes else 'over'} "
+            f"{fmt_bytes(rec.limit_bytes)}), {c.flops / 1e9:.4g} GFLOP")
+        record = dataclasses.replace(rec, probes=tuple(probes), compiles=len(probes))
+        if c.bytes <= rec.limit_bytes:
+            return dataclasses.replace(
+                uniform, layer_mix=mix, layer_policies=per, compiled=record,
+                notes=(*uniform.notes, f"per-layer mix compiled to {fmt_bytes(c.bytes)} "
+                       f"<= {fmt_bytes(rec.limit_bytes)} limit"))
+        margin += c.bytes - rec.limit_bytes
+        uniform = dataclasses.replace(uniform, compiled=record)
+        rec = record
+    return keep(f"per-layer plan: the compiled mix did not fit ({fmt_bytes(c.bytes)} > "
+                f"{fmt_bytes(rec.limit_bytes)}); the uniform plan stands")

@@ -11,6 +11,7 @@ that the planner searches.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -19,8 +20,9 @@ from dataclasses import dataclass
 
 from .models import dtype_bytes
 
-__all__ = ["Closures", "Evaluation", "Footprint", "LayerGraph", "Op", "Segment", "TagCost",
-           "TagGroup", "Value", "find_groups"]
+__all__ = ["OP_KINDS", "Closures", "Evaluation", "Footprint", "LayerGraph", "Op", "Segment",
+           "TagCost", "TagGroup", "Value", "find_groups", "op_bytes_moved", "op_kind",
+           "op_seconds", "timed_graph"]
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,10 @@ class Op:
     needs: tuple[str, ...] = ()
     internal: tuple[tuple[str, int], ...] = ()  # (what, bytes) kept without remat
     more_outputs: tuple[str, ...] = ()  # further results of a multi-output op
+    kind: str = ""  # one of `OP_KINDS`; "" lets `op_kind` infer it
+    # FLOPs by engine kind for a fused op that uses several engines at once (flash
+    # attention: matmuls and an exp per score); empty: all `flops` are of `kind`.
+    parts: tuple[tuple[str, int], ...] = ()
 
     @property
     def outputs(self) -> tuple[str, ...]:
@@ -527,3 +533,111 @@ class Footprint(dict):  # dict[str, TagCost]
 
     def __repr__(self) -> str:
         return f"Footprint({dict(self)!r}, always_kept_bytes={self.always_kept_bytes})"
+
+
+# --------------------------------------------------------------------------------------
+# Time: a roofline cost per op (the planner's ``objective="time"``).
+# --------------------------------------------------------------------------------------
+
+OP_KINDS = ("matmul", "elementwise", "transcendental", "reduction", "copy", "layout")
+"""What an op does, which decides the engine that runs it: ``matmul`` on the tensor engine;
+``elementwise`` and ``reduction`` on the vector engine; ``transcendental`` (exp, tanh,
+rsqrt, logistic, erf: one per element) on the scalar engine; ``copy`` moves data only
+(transpose, gather, concatenate: HBM time); ``layout`` costs nothing (reshape, broadcast,
+a slice of a fused matmul's result: XLA makes these views or fuses them)."""
+
+ENGINE_OF = {"matmul": "tensor", "elementwise": "vector", "reduction": "vector",
+             "transcendental": "scalar"}
+"""The engine each computing op kind runs on (`device.EngineRates`)."""
+
+_TRANSCENDENTAL = {"exp", "exp2", "log", "log1p", "tanh", "logistic", "rsqrt", "sqrt", "sin",
+                   "cos", "erf", "erf_inv", "pow", "expm1", "atan2", "cbrt", "tan",
+                   "softmax", "activation"}
+_REDUCTION = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
+              "reduce_and", "reduce_or", "cumsum", "cummax", "cumlogsumexp", "reduce_precision"}
+_LAYOUT = {"reshape", "squeeze", "expand_dims", "broadcast_in_dim", "slice", "name",
+           "stop_gradient", "sharding_constraint", "device_put", "copy", "copy_p",
+           "convert_element_type_p", "iota"}
+_COPY = {"transpose", "gather", "scatter", "concatenate", "pad", "dynamic_slice",
+         "dynamic_update_slice", "rev", "select_and_gather_add", "split"}
+
+
+def op_kind(op: Op, graph: LayerGraph) -> str:
+    """`op.kind` when its builder set it; otherwise inferred: a ``dot_general`` (the value
+    it produces is a dot) is a matmul, then by the primitive name that starts a traced op's
+    name (``exp:12``), else elementwise."""
+    if op.kind:
+        return op.kind
+    value = graph.values.get(op.output)
+    if value is not None and value.dot:
+        return "matmul"
+    prim = op.name.split(":", 1)[0]
+    if prim in _TRANSCENDENTAL:
+        return "transcendental"
+    if prim in _REDUCTION:
+        return "reduction"
+    if prim in _LAYOUT:
+        return "layout"
+    if prim in _COPY:
+        return "copy"
+    if prim == "convert_element_type" and op.flops == 0:
+        return "layout"  # a weak-type change: no instruction
+    # the analytic builders' names (`moe`)
+    if prim == "flash_attention":
+        return "matmul"
+    if prim.endswith(("activation", "softmax")):
+        return "transcendental"
+    if prim.startswith("top_k"):
+        return "reduction"
+    if prim.endswith(("_split", "_concat", "dispatch", "_gather")):
+        return "copy"
+    return "elementwise"
+
+
+def op_bytes_moved(op: Op, graph: LayerGraph) -> int:
+    """Bytes the op reads and writes in HBM when it runs alone: its distinct inputs
+    (parameters included: a matmul reads its weights) and its outputs."""
+    names = dict.fromkeys((*op.inputs, *op.outputs))
+    return sum(graph.values[n].bytes for n in names if n in graph.values)
+
+
+def op_seconds(op: Op, graph: LayerGraph, rates: object) -> float:
+    """The op's roofline time on one core: ``max(work / engine rate, bytes moved / HBM
+    bandwidth)``, the engine by `op_kind` and the rates an `EngineRates` (`device.py`).
+
+    Work is `Op.flops`, except that a transcendental op counts at least one operation per
+    output element (XLA's FLOP count, which `_trace` follows, gives them none). ``layout``
+    ops cost nothing. This is a bound per op: it ignores fusion (a fused chain of
+    elementwise ops moves its tensors once) and overlap between engines."""
+    kind = op_kind(op, graph)
+    if kind == "layout":
+        return 0.0
+    moved = op_bytes_moved(op, graph) / rates.hbm_bytes_per_s  # type: ignore[attr-defined]
+    if kind == "copy":
+        return moved
+    rate = {"tensor": rates.tensor_flops, "vector": rates.vector_flops,  # type: ignore
+            "scalar": rates.scalar_flops}  # type: ignore[attr-defined]
+    if op.parts:  # engines of a fused op work side by side: the busiest one decides
+        busy = dict.fromkeys(rate, 0.0)
+        for part, flops in op.parts:
+            busy[ENGINE_OF[part]] += flops / rate[ENGINE_OF[part]]
+        return max(*busy.values(), moved)
+    work = float(op.flops)
+    if kind == "transcendental":
+        out = graph.values.get(op.output)
+        work = max(work, float(math.prod(out.shape)) if out is not None else 0.0)
+    return max(work / rate[ENGINE_OF[kind]], moved)
+
+
+PICOSECONDS = 1e12
+
+
+def timed_graph(graph: LayerGraph, rates: object) -> LayerGraph:
+    """`graph` with each op's `flops` replaced by its `op_seconds` in picoseconds (an
+    integer), so that the same exact evaluation (`cost_of_roles`, `Closures`) answers
+    recompute time instead of recompute FLOPs. The ``reduce_precision`` JAX adds per saved
+    value is an artefact of XLA's FLOP count and is not priced (`round_saved` off)."""
+    ops = tuple(dataclasses.replace(op, flops=int(round(op_seconds(op, graph, rates)
+                                                          * PICOSECONDS)))
+                for op in graph.ops)
+    return dataclasses.replace(graph, ops=ops, round_saved=False)

@@ -115,7 +115,9 @@ def layer_graph(config: TransformerConfig, shape: StepShape,
         out = val(f"{name}_out", (t_rep, h))
         reads_input = f32 and config.norm == "rms"
         ops.append(Op(name, (src,), out, per_elem * n + t_rep,
-                      needs=(src,) if reads_input else (), internal=internal))
+                      needs=(src,) if reads_input else (), internal=internal,
+                      kind="elementwise", parts=(("elementwise", per_elem * n),
+                                                 ("transcendental", t_rep))))
         return out
 
     def matmul(name: str, src: str, out_shape: tuple[int, ...], contract: int,
@@ -123,7 +125,8 @@ def layer_graph(config: TransformerConfig, shape: StepShape,
                inputs: tuple[str, ...] | None = None) -> str:
         out = val(name, out_shape, role, dot=True, batch_dot=batch)
         ops.append(Op(f"{name}_matmul", inputs or (src,), out,
-                      2 * math.prod(out_shape) * contract, needs=reads or (src,)))
+                      2 * math.prod(out_shape) * contract, needs=reads or (src,),
+                      kind="matmul"))
         return out
 
     x = val("x", (t_rep, h), "input")
@@ -138,7 +141,11 @@ def layer_graph(config: TransformerConfig, shape: StepShape,
         lse = b * heads * s * 4
         ctx = val("context", (t_full, heads, d), "context", extra_bytes=lse)
         attn = flash_forward_flops(b, s, heads, d, causal=config.causal, convert=bool(cvt))
-        ops.append(Op("flash_attention", (q, k, v), ctx, attn, needs=(q, k, v, ctx)))
+        scores = b * heads * flash_score_elements(s, causal=config.causal)
+        ops.append(Op("flash_attention", (q, k, v), ctx, attn, needs=(q, k, v, ctx),
+                      kind="matmul", parts=(("matmul", 4 * d * scores),
+                                            ("transcendental", scores),
+                                            ("elementwise", attn - (4 * d + 1) * scores))))
     else:
         scores = matmul("scores", q, (b, heads, s, s), d, None, batch=True, reads=(q, k),
                         inputs=(q, k))
@@ -150,13 +157,15 @@ def layer_graph(config: TransformerConfig, shape: StepShape,
         internal = (("softmax exp (float32)", elems * 4), ("softmax row sums (float32)", 2 * small))
         if config.causal:
             internal += (("causal mask (bool)", elems), ("masked scores", elems * ebytes))
-        ops.append(Op("softmax", (scores,), probs, sm_flops, internal=internal))
+        ops.append(Op("softmax", (scores,), probs, sm_flops, internal=internal,
+                      kind="transcendental", parts=(("transcendental", elems),
+                                                    ("elementwise", sm_flops - elems))))
         ctx = matmul("context", probs, (t_full, heads, d), s, "context", batch=True,
                      reads=(probs, v), inputs=(probs, v))
     # Output projections run over all t_full tokens per core, then reduce-scatter to t_rep.
     o = matmul("o", ctx, (t_rep, h), heads * d * sp, "o_proj")
     x1 = val("x1", (t_rep, h))
-    ops.append(Op("residual1", (x, o), x1, t_rep * h))
+    ops.append(Op("residual1", (x, o), x1, t_rep * h, kind="elementwise"))
     n2 = norm("norm2", x1)
     a = matmul("linear1_0", n2, (t_full, f), h, "linear1_0")
     n_ff = t_full * f
@@ -167,18 +176,30 @@ def layer_graph(config: TransformerConfig, shape: StepShape,
         g_in = matmul("linear1_1", n2, (t_full, f), h, "linear1_1")
         internal = (("activation pieces", (pieces + 1) * n_ff * ebytes),)
         ops.append(Op("activation", (a, g_in), gate, (act_flops + 1) * n_ff,
-                      needs=(a, g_in), internal=internal))
+                      needs=(a, g_in), internal=internal, kind="transcendental",
+                      parts=(("transcendental", n_ff), ("elementwise", act_flops * n_ff))))
     else:
         internal = (("activation pieces", pieces * n_ff * ebytes),)
         ops.append(Op("activation", (a,), gate, act_flops * n_ff, needs=(a,),
-                      internal=internal))
+                      internal=internal, kind="transcendental",
+                      parts=(("transcendental", n_ff), ("elementwise", (act_flops - 1) * n_ff))))
     y = matmul("linear2", gate, (t_rep, h), f * sp, "linear2")
     out = val("out", (t_rep, h))
-    ops.append(Op("residual2", (x1, y), out, t_rep * h))
+    ops.append(Op("residual2", (x1, y), out, t_rep * h, kind="elementwise"))
     return LayerGraph(values=values, ops=tuple(ops))
 
 
 FLASH_BLOCK = 128  # query rows per block of a flash-attention kernel
+
+
+def flash_score_elements(s: int, *, causal: bool = True, block: int = FLASH_BLOCK) -> int:
+    """Score elements a flash-attention forward computes per head: all ``s x s`` of them, or
+    with a causal mask, for each block of `block` query rows, the keys up to its last row."""
+    elems = 0
+    for start in range(0, s, block):
+        rows = min(start + block, s) - start
+        elems += rows * (min(start + block, s) if causal else s)
+    return elems
 
 
 def flash_forward_flops(b: int, s: int, heads: int, d: int, *, causal: bool = True,
@@ -190,10 +211,7 @@ def flash_forward_flops(b: int, s: int, heads: int, d: int, *, causal: bool = Tr
     division; per row the log-sum-exp. A causal kernel works in blocks of `block` query
     rows and reads, for each, only the keys up to its last row: ``(n + 1) / 2n`` of the
     score matrix for ``n`` blocks (diagonal blocks are computed whole)."""
-    elems = 0
-    for start in range(0, s, block):
-        rows = min(start + block, s) - start
-        elems += rows * (min(start + block, s) if causal else s)
+    elems = flash_score_elements(s, causal=causal, block=block)
     per = 4 * d + 4 + (1 if causal else 0) + (2 if convert else 0)
     return b * heads * (elems * per + s * d + s)
 
@@ -207,7 +225,7 @@ def _fused_qkv(val: Any, matmul: Any, ops: list[Op], n1: str, t_full: int, heads
     out = []
     for name, role, n in (("q", "q_proj", heads), ("k", "k_proj", kv), ("v", "v_proj", kv)):
         out.append(val(name, (t_full, n, d), role))
-        ops.append(Op(f"{name}_slice", (qkv,), name, 0))
+        ops.append(Op(f"{name}_slice", (qkv,), name, 0, kind="layout"))
     return out[0], out[1], out[2]
 
 

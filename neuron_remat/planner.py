@@ -18,11 +18,12 @@ import numpy as np
 from . import memory_model as mm
 from . import models
 from ._format import fmt_bytes, grid
-from .device import DeviceSpec
+from .device import DeviceSpec, EngineRates, engine_rates
+from .graph import PICOSECONDS, timed_graph
 from .policies import RegexPolicy
 
-__all__ = ["Choice", "CompiledFit", "GroupDecision", "NoFitError", "Plan", "Probe",
-           "TagDecision", "dead_patterns", "plan", "refuse_dead_patterns"]
+__all__ = ["OBJECTIVES", "Choice", "CompiledFit", "GroupDecision", "LayerMix", "NoFitError",
+           "Plan", "Probe", "TagDecision", "dead_patterns", "plan", "refuse_dead_patterns"]
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,25 @@ class Choice:
     tags: tuple[str, ...]
     kept_bytes: int
     recompute_flops: float
+    recompute_seconds: float | None = None  # under ``objective="time"``
+
+
+@dataclass(frozen=True)
+class LayerMix:
+    """One save set of a per-layer plan and how many layers (per core) use it; figures per
+    layer per core."""
+
+    tags: tuple[str, ...]
+    layers: int
+    kept_bytes: int
+    recompute_flops: float
+    recompute_seconds: float | None = None
+    policy: RegexPolicy | None = None
+
+
+OBJECTIVES = ("flops", "time")
+"""What the planner minimises: recompute FLOPs, or recompute time priced per op by a
+roofline over the device's engine rates (`graph.op_seconds`)."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +178,56 @@ class Plan:
     notes: tuple[str, ...] = ()
     groups: tuple[GroupDecision, ...] = ()
     compiled: CompiledFit | None = None  # set by `fit`: the compiled step's figures
+    # objective="time": what the plan minimised and its figures (`OBJECTIVES`)
+    objective: str = "flops"
+    rates: EngineRates | None = None
+    recompute_seconds_per_layer: float | None = None
+    forward_seconds_per_layer: float | None = None
+    # per_layer=True: the optimal mix of save sets over the layers. The fields above stay
+    # those of the best uniform set (for hosts that take one policy); `layer_policies` has
+    # one policy per layer (layer order), None when the best mix is uniform.
+    layer_mix: tuple[LayerMix, ...] = ()
+    layer_policies: tuple[RegexPolicy, ...] | None = None
+
+    @property
+    def time_overhead(self) -> float:
+        """Recompute time as a fraction of a no-remat step's (forward + backward taken as 3
+        x the forward's roofline time); nan without ``objective="time"`` figures."""
+        if not self.forward_seconds_per_layer or self.recompute_seconds_per_layer is None:
+            return float("nan")
+        return self.recompute_seconds_per_layer / (3 * self.forward_seconds_per_layer)
+
+    @property
+    def mixed_kept_bytes(self) -> int:
+        """Kept bytes of all layers of one micro-batch under the per-layer plan (the uniform
+        plan's when there is no mix)."""
+        if not self.layer_mix:
+            return self.kept_bytes_per_layer * self.layers_per_core
+        return sum(m.kept_bytes * m.layers for m in self.layer_mix)
+
+    @property
+    def mixed_recompute_flops(self) -> float:
+        """Recompute FLOPs of all layers of one micro-batch under the per-layer plan."""
+        if not self.layer_mix:
+            return self.recompute_flops_per_layer * self.layers_per_core
+        return sum(m.recompute_flops * m.layers for m in self.layer_mix)
+
+    @property
+    def mixed_overhead(self) -> float:
+        """`overhead` of the per-layer plan (recompute over a no-remat step's FLOPs)."""
+        step = 3 * self.forward_flops_per_layer * self.layers_per_core
+        return self.mixed_recompute_flops / step if step else float("nan")
+
+    @property
+    def mixed_time_overhead(self) -> float:
+        """`time_overhead` of the per-layer plan."""
+        if not self.layer_mix:
+            return self.time_overhead
+        if not self.forward_seconds_per_layer or any(
+                m.recompute_seconds is None for m in self.layer_mix):
+            return float("nan")
+        total = sum(m.recompute_seconds * m.layers for m in self.layer_mix)  # type: ignore
+        return total / (3 * self.forward_seconds_per_layer * self.layers_per_core)
 
     @property
     def headroom_bytes(self) -> int:
@@ -221,6 +291,25 @@ class Plan:
             "runner_ups": [dataclasses.asdict(c) for c in self.runner_ups],
             "notes": list(self.notes),
         }
+        out["objective"] = self.objective
+        if self.rates is not None:
+            out["rates"] = self.rates.to_dict()
+        if self.recompute_seconds_per_layer is not None:
+            out["recompute_seconds_per_layer"] = self.recompute_seconds_per_layer
+            out["forward_seconds_per_layer"] = self.forward_seconds_per_layer
+            out["time_overhead"] = self.time_overhead
+        if self.layer_mix:
+            out["layer_mix"] = [{"tags": list(m.tags), "layers": m.layers,
+                                 "kept_bytes_per_layer": m.kept_bytes,
+                                 "recompute_flops_per_layer": m.recompute_flops,
+                                 "recompute_seconds_per_layer": m.recompute_seconds,
+                                 "policy": m.policy.to_dict() if m.policy else None}
+                                for m in self.layer_mix]
+            out["mixed"] = {"kept_bytes": self.mixed_kept_bytes,
+                            "recompute_flops": self.mixed_recompute_flops,
+                            "overhead": self.mixed_overhead,
+                            "time_overhead": self.mixed_time_overhead,
+                            "uniform": self.layer_policies is None}
         if self.compiled is not None:
             out["compiled"] = dataclasses.asdict(self.compiled)
             out["compiled"]["overhead"] = self.compiled.overhead
@@ -266,7 +355,14 @@ class Plan:
             f" x {self.inflight} in flight; recompute "
             f"{self.recompute_flops_per_layer / 1e9:.4g} GFLOP/layer"
             + (f" ({100 * self.overhead:.2f}% of a step)" if self.forward_flops_per_layer else ""))
+        if self.recompute_seconds_per_layer is not None:
+            lines.append(
+                f"time ({self.rates.name if self.rates else 'roofline'}): recompute "
+                f"{1e3 * self.recompute_seconds_per_layer:.4g} ms/layer of a "
+                f"{3e3 * (self.forward_seconds_per_layer or 0):.4g} ms/layer step "
+                f"({100 * self.time_overhead:.2f}% of step time); objective: {self.objective}")
         lines.extend(self._runner_up_lines())
+        lines.extend(_mix_lines(self))
         lines.extend(f"note: {n}" for n in self.notes)
         lines.append(f"policy: {self.policy!r}")
         lines.append(f"regex:  {self.policy.save_regex or '(save nothing)'}")
@@ -278,20 +374,22 @@ class Plan:
     def _runner_up_lines(self) -> list[str]:
         """Runner-ups, with exact ties (same bytes and recompute) on one line; a set that
         ties the plan itself is shown as a tie, not as worse."""
-        best = (self.kept_bytes_per_layer, self.recompute_flops_per_layer)
-        tied: list[tuple[tuple[int, float], list[tuple[str, ...]]]] = []
+        best = (self.kept_bytes_per_layer, self.recompute_flops_per_layer,
+                self.recompute_seconds_per_layer)
+        tied: list[tuple[tuple[int, float, float | None], list[tuple[str, ...]]]] = []
         for c in self.runner_ups:
-            key = (c.kept_bytes, c.recompute_flops)
+            key = (c.kept_bytes, c.recompute_flops, c.recompute_seconds)
             same = next((g for g in tied if g[0] == key), None)
             if same is None:
                 tied.append((key, [c.tags]))
             else:
                 same[1].append(c.tags)
         lines = []
-        for (kept, flops), sets in tied:
+        for (kept, flops, seconds), sets in tied:
             alts = " or ".join(str(list(t)) for t in sets)
-            cost = f"{fmt_bytes(kept)}/layer, {flops / 1e9:.4g} GFLOP/layer"
-            if (kept, flops) == best:
+            cost = f"{fmt_bytes(kept)}/layer, {flops / 1e9:.4g} GFLOP/layer" + (
+                f", {1e3 * seconds:.4g} ms/layer" if seconds is not None else "")
+            if (kept, flops, seconds) == best:
                 lines.append(f"tie: {alts}: {cost}, exactly as good as the plan")
             else:
                 lines.append(f"runner-up{' (tied)' if len(sets) > 1 else ''}: {alts}: {cost}")
@@ -484,7 +582,13 @@ def plan(
     reserve: float | int | None = None,
     min_flops_per_byte: float = DEFAULT_MIN_FLOPS_PER_BYTE,
     runner_ups: int = 3,
+    objective: str | None = None,
+    rates: EngineRates | str | None = None,
+    per_layer: bool = False,
+    layers: int | None = None,
+    max_sets: int | None = 2,
 ) -> Plan:
+    per_layer_mix = bool(per_layer)
     """Choose the tags to save: the set that fits the budget with the least recompute.
 
     Either describe the model (`config`, `shape`, `parallelism`, and `device`, detected
@@ -495,6 +599,24 @@ def plan(
     `candidates` restricts the tags considered (tag names, or roles such as ``q_proj``).
     Tags saving fewer than `min_flops_per_byte` FLOPs per byte kept are never saved.
     Raises `NoFitError` when even full recompute does not fit.
+
+    `objective` is what is minimised: ``"flops"`` (recompute FLOPs) or ``"time"``
+    (recompute time: each op of the layer graph priced by a roofline over `rates`, an
+    `EngineRates` or a name in `device.ENGINE_RATES`, by default the device's). The default
+    is ``"time"`` on a Neuron device whose rates are known and the footprint has a graph,
+    ``"flops"`` elsewhere. Under ``"time"`` a tag is not worth saving when recomputing it
+    takes less time than writing and reading it (``2 x bytes / HBM bandwidth``), in place
+    of `min_flops_per_byte`.
+
+    `per_layer=True` also finds the optimal mix of save sets over the layers (`layers`
+    layers sharing ``layers x budget_bytes`` with a footprint; the model's layers per core
+    otherwise): each layer takes one set of the frontier of (kept bytes, recompute), all
+    layers together within the budget, least total recompute (an exact knapsack over the
+    layers). The plan's fields stay those of the best uniform set; `Plan.layer_mix` and
+    `Plan.layer_policies` (one policy per layer, None when the best mix is uniform) give
+    the mix. `max_sets` bounds the distinct sets in the mix (2: a scanned stack runs as two
+    scans, `scan_layers`; each further scan costs the compiler another working set); None
+    leaves it free.
     """
     _check_plan_numbers(budget_bytes, min_flops_per_byte, runner_ups, reserve)
     notes: list[str] = []
@@ -524,7 +646,16 @@ def plan(
         fp = footprint if isinstance(footprint, mm.Footprint) else _as_footprint(footprint)
         _check_footprint(fp)
         per_layer = int(budget_bytes)
-        layers, inflight = 1, 1
+        if per_layer_mix and layers is None:
+            raise ValueError("plan(footprint=..., per_layer=True) needs layers= (how many "
+                             "layers share layers x budget_bytes)")
+        if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int)
+                                   or layers < 1):
+            raise ValueError(f"layers={layers!r}: give a positive int (layers sharing the "
+                             "budget)")
+        layers, inflight = (layers or 1), 1
+    obj, rts = _resolve_objective(objective, rates, device, fp)
+    cost_fp = fp if obj == "flops" else _timed_footprint(fp, rts)
 
     names = list(fp)
     always = [t for t in names if getattr(fp[t], "always_kept", False)]
@@ -534,17 +665,26 @@ def plan(
     # Groups of tags that only pay off together are judged jointly: a member that saves
     # nothing alone is usable when its whole group is a candidate and pays.
     groups = [g for g in getattr(fp, "groups", ()) if set(g.tags) <= set(pool)]
-    paying = [g for g in groups if g.recompute_flops > 0 and (
-        not g.bytes or g.recompute_flops / g.bytes >= min_flops_per_byte)]
+    if obj == "flops":
+        paying = [g for g in groups if g.recompute_flops > 0 and (
+            not g.bytes or g.recompute_flops / g.bytes >= min_flops_per_byte)]
+    else:
+        paying = [g for g in groups if _time_pays(cost_fp, g.tags, g.bytes, rts)[0]]
     for t in pool:
         cost = fp[t]
         if t in always:
             continue
         if any(t in g.tags for g in paying):
             usable.append(t)
-        elif cost.recompute_flops <= 0:
+        elif cost.recompute_flops <= 0 and obj == "flops":
             decisions[t] = "saving it saves no recompute" + (
                 ": the backward never reads it" if cost.bytes == 0 else "")
+        elif obj == "time":
+            pays, why = _time_pays(cost_fp, (t,), cost.bytes, rts)
+            if pays:
+                usable.append(t)
+            else:
+                decisions[t] = why
         elif cost.bytes and cost.recompute_flops / cost.bytes < min_flops_per_byte:
             decisions[t] = (f"cheap to recompute: {cost.recompute_flops / cost.bytes:.3g} "
                             f"FLOP/B < {min_flops_per_byte:g}")
@@ -558,7 +698,10 @@ def plan(
     if bud is not None and bud.graph is not None and budget_bytes is None:
         budget_for = _own_workspace(bud, getattr(fp, "roles", {}))
 
-    choices = _solve(fp, usable, per_layer, keep=1 + runner_ups, budget_for=budget_for)
+    choices = _solve(cost_fp, usable, per_layer, keep=1 + runner_ups, budget_for=budget_for)
+    if obj == "time":  # picoseconds back to FLOPs and seconds
+        choices = [Choice(c.tags, c.kept_bytes, fp.evaluate(c.tags)[1],
+                          c.recompute_flops / PICOSECONDS) for c in choices]
     if not choices:
         full_kept, _ = fp.evaluate(())
         raise NoFitError(_no_fit_message(full_kept, per_layer, bud, config, shape, par))
@@ -595,6 +738,33 @@ def plan(
     if config is not None and shape is not None and par is not None:
         notes.extend(_untagged_notes(config, shape, par, fp, best))
     ordered = [t for t in names if t in decisions]
+    mix: tuple[LayerMix, ...] = ()
+    layer_policies = None
+    if per_layer_mix:
+        if budget_for is not None and bud is not None:
+            free = bud.hbm_bytes - bud.state.total_bytes - bud.reserve_bytes
+            roles = getattr(fp, "roles", {})
+
+            def cap_for(tags: tuple[str, ...]) -> int:
+                return (free - bud.workspace_for(roles.get(t, t) for t in tags)) // inflight
+        else:
+            fixed = per_layer * layers
+
+            def cap_for(tags: tuple[str, ...]) -> int:
+                return fixed
+        if max_sets is not None and (isinstance(max_sets, bool) or not isinstance(
+                max_sets, int) or max_sets < 1):
+            raise ValueError(f"max_sets={max_sets!r}: give a positive int (distinct save "
+                             "sets in a per-layer plan) or None")
+        mix, layer_policies, rounded = _layer_mix(fp, cost_fp, obj, usable, layers, cap_for,
+                                                  best, names, patterns, max_sets)
+        if rounded:
+            notes.append("per-layer plan: bytes rounded up to coarser units to keep the "
+                         "knapsack small; the mix fits but may be short of the optimum")
+    fwd_seconds = None
+    if obj == "time":
+        assert cost_fp.graph is not None
+        fwd_seconds = cost_fp.graph.forward_flops() / PICOSECONDS
     return Plan(
         policy=policy, saved_tags=tuple(t for t in names if t in best.tags),
         kept_bytes_per_layer=best.kept_bytes, budget_bytes_per_layer=per_layer,
@@ -606,7 +776,9 @@ def plan(
         config=config, parallelism=par, no_remat_bytes_per_layer=fp.no_remat_bytes,
         notes=tuple(notes),
         groups=tuple(GroupDecision(g.tags, g.label, g.bytes, g.recompute_flops, g.alone_flops,
-                                   g.shared, set(g.tags) <= set(best.tags)) for g in groups))
+                                   g.shared, set(g.tags) <= set(best.tags)) for g in groups),
+        objective=obj, rates=rts, recompute_seconds_per_layer=best.recompute_seconds,
+        forward_seconds_per_layer=fwd_seconds, layer_mix=mix, layer_policies=layer_policies)
 
 
 # What an untagged role is, for the note that names the tag that would help.
@@ -806,3 +978,280 @@ def _no_fit_message(full_kept: int, per_layer: int, bud: mm.Budget | None,
     if config is not None and not config.flash_attention:
         hints.append("use flash attention (no seq x seq probabilities)")
     return msg + ". To fit: " + "; ".join(hints or ["give the layer more memory"]) + "."
+
+
+# --------------------------------------------------------------------------------------
+# The time objective.
+# --------------------------------------------------------------------------------------
+
+
+def _resolve_objective(objective: str | None, rates: EngineRates | str | None,
+                       device: DeviceSpec | None, fp: mm.Footprint
+                       ) -> tuple[str, EngineRates | None]:
+    """(objective, rates): ``"time"`` by default on a Neuron device with known rates and a
+    footprint with a graph; an explicit ``"time"`` that cannot be priced is an error."""
+    if objective is not None and objective not in OBJECTIVES:
+        raise ValueError(f"objective={objective!r} is not an objective; valid: "
+                         f"{', '.join(OBJECTIVES)}")
+    rts = rates if isinstance(rates, EngineRates) else engine_rates(
+        device, rates if isinstance(rates, str) else None)
+    if rates is not None and not isinstance(rates, (str, EngineRates)):
+        raise ValueError(f"rates={rates!r}: give an EngineRates or a name of "
+                         "neuron_remat.device.ENGINE_RATES")
+    if objective is None:
+        neuron = device is not None and device.is_neuron
+        return ("time", rts) if (neuron and rts is not None and fp.graph is not None) \
+            else ("flops", rts if rates is not None else None)
+    if objective == "time":
+        if rts is None:
+            raise ValueError("objective='time' needs engine rates: pass rates= (an "
+                             "EngineRates or one of neuron_remat.device.ENGINE_RATES) or "
+                             "plan for a device with known rates (trn2, H100, H200)")
+        if fp.graph is None:
+            raise ValueError("objective='time' needs a footprint with a layer graph "
+                             "(layer_footprint or traced_footprint), not per-tag figures")
+    return objective, rts
+
+
+def _timed_footprint(fp: mm.Footprint, rates: EngineRates | None) -> mm.Footprint:
+    """`fp` whose evaluation answers recompute picoseconds instead of FLOPs."""
+    assert fp.graph is not None and rates is not None
+    return mm.Footprint(dict(fp), always_kept_bytes=fp.always_kept_bytes,
+                        patterns=fp.patterns, graph=timed_graph(fp.graph, rates),
+                        roles=fp.roles, forward_flops=fp.forward_flops,
+                        no_remat_bytes=fp.no_remat_bytes, groups=())
+
+
+def _time_pays(cost_fp: mm.Footprint, tags: Sequence[str], nbytes: int,
+               rates: EngineRates | None) -> tuple[bool, str]:
+    """Whether saving `tags` saves more recompute time than writing and reading their
+    `nbytes` costs, and why not."""
+    assert rates is not None
+    base = cost_fp.evaluate(())[1]
+    saved = (base - cost_fp.evaluate(tags)[1]) / PICOSECONDS
+    moving = 2 * nbytes / rates.hbm_bytes_per_s
+    if saved <= 0:
+        return False, "saving it saves no recompute time" + (
+            ": the backward never reads it" if nbytes == 0 else "")
+    if saved <= moving:
+        return False, (f"cheap to recompute: saves {1e6 * saved:.3g} us <= "
+                       f"{1e6 * moving:.3g} us to write and read it")
+    return True, ""
+
+
+# --------------------------------------------------------------------------------------
+# Per-layer plans: the optimal mix of save sets over identical layers.
+# --------------------------------------------------------------------------------------
+
+
+def _all_sets(cost_fp: mm.Footprint, fp: mm.Footprint, usable: Sequence[str]
+              ) -> list[tuple[int, float, tuple[str, ...]]]:
+    """(kept bytes, objective cost, tags) of every subset of `usable`."""
+    n = len(usable)
+    if n > MAX_JOINT_TAGS:
+        raise ValueError(f"{n} candidate tags are too many for a per-layer plan (at most "
+                         f"{MAX_JOINT_TAGS}); restrict candidates=")
+    out = []
+    graph = cost_fp.graph
+    if graph is not None:
+        closures = graph.closures
+        bits = [closures.mask([cost_fp.roles[t]]) for t in usable]
+        saved = [0] * (1 << n)
+        for i in range(1 << n):
+            if i:
+                low = i & -i
+                saved[i] = saved[i ^ low] | bits[low.bit_length() - 1]
+            kept, cost, _ = closures.run(saved[i])
+            out.append((kept, cost, tuple(usable[j] for j in range(n) if i >> j & 1)))
+        return out
+    for r in range(n + 1):
+        for subset in itertools.combinations(usable, r):
+            kept, cost = fp.evaluate(subset)
+            out.append((kept, cost, tuple(subset)))
+    return out
+
+
+def _frontier(sets: Iterable[tuple[int, float, tuple[str, ...]]]
+              ) -> list[tuple[int, float, tuple[str, ...]]]:
+    """The sets no other set beats on both kept bytes and cost (fewest tags on ties)."""
+    out: list[tuple[int, float, tuple[str, ...]]] = []
+    for kept, cost, tags in sorted(sets, key=lambda e: (e[0], e[1], len(e[2]), e[2])):
+        if not out or cost < out[-1][1]:
+            out.append((kept, cost, tags))
+    return out
+
+
+MAX_KNAPSACK_CELLS = 1 << 23
+"""Layers x byte units the per-layer knapsack may tabulate; beyond it bytes are rounded up
+to coarser units (the mix still fits, but may be slightly short of the optimum)."""
+
+
+def _knapsack(points: Sequence[tuple[int, float]], layers: int, cap: int,
+              max_sets: int | None = None
+              ) -> tuple[float, int, tuple[int, ...], bool] | None:
+    """Counts of each point for `layers` layers with total kept bytes <= `cap` and the
+    least total cost (then the fewest bytes): a dynamic programme over layers x bytes in
+    units of the points' greatest common divisor, which is exact (tensor sizes share large
+    power-of-two factors, so the table is small). The last item is False when the table
+    would exceed `MAX_KNAPSACK_CELLS` and bytes were rounded up to coarser units."""
+    import numpy as np  # noqa: PLC0415
+
+    n = len(points)
+    if not n or cap < 0:
+        return None
+    if max_sets is not None and max_sets <= 2:
+        return _knapsack_pairs(points, layers, cap, max_sets)
+    if max_sets is not None and max_sets < n:  # every choice of max_sets points, exactly
+        found = None
+        for chosen in itertools.combinations(range(n), max_sets):
+            got = _knapsack([points[i] for i in chosen], layers, cap)
+            if got is not None and (found is None or got[:2] < found[0][:2]):
+                found = (got, chosen)
+        if found is None:
+            return None
+        (total, nbytes, sub, exact), chosen = found
+        counts = [0] * n
+        for i, k in zip(chosen, sub):
+            counts[i] = k
+        return total, nbytes, tuple(counts), exact
+    unit = 0
+    for b, _ in points:
+        unit = math.gcd(unit, int(b))
+    unit = max(unit, 1)
+    exact = True
+    if layers * (cap // unit + 1) > MAX_KNAPSACK_CELLS:
+        unit = -(-cap * layers // MAX_KNAPSACK_CELLS)
+        exact = False
+    sizes = [-(-int(b) // unit) for b, _ in points]
+    room = cap // unit
+    inf = math.inf
+    prev = np.full(room + 1, inf)
+    prev[0] = 0.0
+    choice = np.zeros((layers + 1, room + 1), dtype=np.int32)
+    for c in range(1, layers + 1):
+        new = np.full(room + 1, inf)
+        for j, (size, (_, cost)) in enumerate(zip(sizes, points)):
+            if size > room:
+                continue
+            cand = prev[:room + 1 - size] + float(cost)
+            tail = new[size:]
+            better = cand < tail
+            tail[better] = cand[better]
+            choice[c, size:][better] = j
+        prev = new
+    if not np.isfinite(prev).any():
+        return None
+    u = int(np.argmin(prev))  # the least cost, then the fewest bytes
+    total = float(prev[u])
+    counts = [0] * n
+    for c in range(layers, 0, -1):
+        j = int(choice[c, u])
+        counts[j] += 1
+        u -= sizes[j]
+    nbytes = sum(k * int(b) for k, (b, _) in zip(counts, points))
+    return total, nbytes, tuple(counts), exact
+
+
+def _knapsack_pairs(points: Sequence[tuple[int, float]], layers: int, cap: int,
+                    max_sets: int) -> tuple[float, int, tuple[int, ...], bool] | None:
+    """`_knapsack` with at most `max_sets` (1 or 2) distinct points: every pair and count,
+    exactly."""
+    n = len(points)
+    best: tuple[float, int, tuple[int, ...]] | None = None
+    pairs = [(i, i) for i in range(n)] if max_sets == 1 else \
+        [(i, j) for i in range(n) for j in range(i, n)]
+    for i, j in pairs:
+        (bi, ci), (bj, cj) = points[i], points[j]
+        for k in range(layers + 1) if i != j else (layers,):
+            nbytes = k * bi + (layers - k) * bj
+            if nbytes > cap:
+                continue
+            cost = k * ci + (layers - k) * cj
+            if best is None or (cost, nbytes) < best[:2]:
+                counts = [0] * n
+                counts[i] += k
+                counts[j] += layers - k
+                best = (cost, nbytes, tuple(counts))
+    return None if best is None else (best[0], best[1], best[2], True)
+
+
+MIX_WORKSPACE_TAGS = 10
+"""Candidate tags up to which a per-layer plan prices every tag set's own workspace."""
+
+
+def _layer_mix(fp: mm.Footprint, cost_fp: mm.Footprint, objective: str,
+               usable: Sequence[str], layers: int, cap_for: Callable[[tuple[str, ...]], int],
+               best: Choice, names: Sequence[str], patterns: Mapping[str, str],
+               max_sets: int | None = None
+               ) -> tuple[tuple[LayerMix, ...], tuple[RegexPolicy, ...] | None, bool]:
+    """The optimal mix of frontier sets over `layers` layers (`plan(per_layer=True)`).
+
+    `cap_for(tags)` is what all layers together may keep when `tags` is one of the sets
+    used (the largest workspace of the sets used decides, so each distinct capacity is
+    solved with the sets that allow it). The best uniform set is always a candidate, so the
+    mix never does worse than it."""
+    every = _all_sets(cost_fp, fp, usable)
+    # Each set's own capacity (its workspace) matters: a set the frontier drops for a tie
+    # can allow more bytes. Up to 2**MIX_WORKSPACE_TAGS sets are each priced; beyond, the
+    # frontier's only.
+    points = every if len(usable) <= MIX_WORKSPACE_TAGS else _frontier(every)
+    best_cost = best.recompute_flops if objective == "flops" else round(
+        (best.recompute_seconds or 0.0) * PICOSECONDS)
+    mine = tuple(sorted(best.tags))
+    if not any(tuple(sorted(p[2])) == mine for p in points):
+        points.append((best.kept_bytes, best_cost, best.tags))
+    caps = {p[2]: cap_for(p[2]) for p in points}
+    found: tuple[float, int, list[tuple[tuple[str, ...], int]]] | None = None
+    rounded = False
+    for cap in sorted(set(caps.values()), reverse=True):
+        allowed = _frontier(p for p in points if caps[p[2]] >= cap)
+        answer = _knapsack([(p[0], p[1]) for p in allowed], layers, cap, max_sets)
+        if answer is None:
+            continue
+        cost, nbytes, counts, exact = answer
+        if not exact:
+            rounded = True
+        if found is None or (cost, nbytes) < (found[0], found[1]):
+            found = (cost, nbytes, [(p[2], k) for p, k in zip(allowed, counts) if k])
+    if found is None:  # cannot happen when the uniform best fits; keep it then
+        found = (best_cost, best.kept_bytes * layers, [(best.tags, layers)])
+    used = found[2]
+    if len(used) == 1:
+        used = [(best.tags, layers)]
+    mix = []
+    for tags, k in used:
+        kept, flops = fp.evaluate(tags)
+        secs = None
+        if objective == "time":
+            secs = cost_fp.evaluate(tags)[1] / PICOSECONDS
+        ordered = tuple(t for t in names if t in tags)
+        policy = RegexPolicy([patterns[t] for t in ordered])
+        mix.append(LayerMix(ordered, k, kept, flops, secs, policy))
+    mix.sort(key=lambda m: (m.recompute_seconds if m.recompute_seconds is not None
+                            else m.recompute_flops, m.tags))
+    if len(mix) == 1:
+        return tuple(mix), None, rounded
+    per = tuple(m.policy for m in mix for _ in range(m.layers))
+    return tuple(mix), per, rounded  # type: ignore[return-value]
+
+
+def _mix_lines(p: Plan) -> list[str]:
+    """The table's lines for a per-layer plan."""
+    if not p.layer_mix:
+        return []
+    if p.layer_policies is None:
+        return [f"per-layer plan: the uniform set is the best mix ({p.layers_per_core} layers)"]
+    lines = []
+    for m in p.layer_mix:
+        secs = (f", {1e3 * m.recompute_seconds:.4g} ms" if m.recompute_seconds is not None
+                else "")
+        lines.append(f"per-layer plan: {m.layers} x {list(m.tags)}: {fmt_bytes(m.kept_bytes)}"
+                     f"/layer, {m.recompute_flops / 1e9:.4g} GFLOP{secs}/layer")
+    uni = 100 * p.overhead
+    lines.append(f"per-layer plan: keeps {fmt_bytes(p.mixed_kept_bytes)} over "
+                 f"{p.layers_per_core} layers, recompute {100 * p.mixed_overhead:.2f}% of step"
+                 f" FLOPs (uniform {uni:.2f}%)" + (
+                     f", {100 * p.mixed_time_overhead:.2f}% of step time (uniform "
+                     f"{100 * p.time_overhead:.2f}%)" if p.recompute_seconds_per_layer
+                     is not None else ""))
+    return lines

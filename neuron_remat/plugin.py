@@ -247,16 +247,20 @@ def clear_cache() -> None:
     with _WARNED_LOCK:
         _WARNED.clear()
     _providers.cache_clear()
+    _per_layer_plan.cache_clear()
 
 
 def provide(*, default: Any = None, layer: str | None = None, stack: str = "stacked",
             model: Any = None, tags: Any = None, shape: Any = None, parallelism: Any = None,
-            device: DeviceSpec | None = None, **unknown: Any) -> RematChoice | None:
+            device: DeviceSpec | None = None, layer_index: int | None = None,
+            **unknown: Any) -> RematChoice | None:
     """neuron_remat's ``jax_remat_policy`` provider (registered in setup.cfg).
 
     Returns None off Neuron, for pipelined stacks, when disabled, or when it cannot
     decide (after one warning); else the planned `RegexPolicy` for the model described,
-    or the ``trn2-fuji-70b`` preset when told nothing. `tags` is the host's vocabulary
+    or the ``trn2-fuji-70b`` preset when told nothing. With `layer_index` (an unrolled
+    stack's layer number, from 0) the plan is per layer (`plan(..., per_layer=True)`) and
+    the answer is that layer's policy. `tags` is the host's vocabulary
     (``"axlearn"``, ``"maxtext"`` or a `TagNames`) or the tag names it emits, which the
     answer is then checked against. Answers are cached per context.
 
@@ -267,25 +271,29 @@ def provide(*, default: Any = None, layer: str | None = None, stack: str = "stac
     if _flag(DISABLE_ENV):
         answer = None
     else:
-        answer = _provide_cached(layer, stack, model, tags, shape, parallelism, device)
+        answer = _provide_cached(layer, stack, model, tags, shape, parallelism, device,
+                                 layer_index)
     if not _IN_RESOLVE.get():
         multihost.agree(answer.policy if answer else None,
                         answer.prevent_cse if answer else None, what=_site(layer, stack),
                         context={"provider": PROVIDER_NAME, "layer": layer, "stack": stack,
                                  "model": model, "tags": tags, "shape": shape,
-                                 "parallelism": parallelism, "device": device, **unknown})
+                                 "parallelism": parallelism, "device": device,
+                                 "layer_index": layer_index, **unknown})
     return answer
 
 
 def _provide_cached(layer: str | None, stack: str, model: Any, tags: Any, shape: Any,
-                    parallelism: Any, device: DeviceSpec | None) -> RematChoice | None:
+                    parallelism: Any, device: DeviceSpec | None,
+                    layer_index: int | None = None) -> RematChoice | None:
     try:
         env = tuple(os.environ.get(k) for k in (*_DEVICE_ENV, STRICT_ENV))
         key: Any = (layer, stack, _freeze(model), _freeze(tags), _freeze(shape),
-                    _freeze(parallelism), device, env)
+                    _freeze(parallelism), device, env, _freeze(layer_index))
         hash(key)
     except Exception:  # noqa: BLE001  an odd context is planned, just not cached
-        return _provide_logged(layer, stack, model, tags, shape, parallelism, device)
+        return _provide_logged(layer, stack, model, tags, shape, parallelism, device,
+                               layer_index)
     with _LOCK:
         if key in _RESULTS:
             return _RESULTS[key]
@@ -294,7 +302,8 @@ def _provide_cached(layer: str | None, stack: str, model: Any, tags: Any, shape:
         with _LOCK:
             if key in _RESULTS:
                 return _RESULTS[key]
-        answer = _provide_logged(layer, stack, model, tags, shape, parallelism, device)
+        answer = _provide_logged(layer, stack, model, tags, shape, parallelism, device,
+                                 layer_index)
         with _LOCK:
             _RESULTS[key] = answer
             _PLANNING.pop(key, None)
@@ -302,9 +311,10 @@ def _provide_cached(layer: str | None, stack: str, model: Any, tags: Any, shape:
 
 
 def _provide_logged(layer: str | None, stack: str, model: Any, tags: Any, shape: Any,
-                    parallelism: Any, device: DeviceSpec | None) -> RematChoice | None:
+                    parallelism: Any, device: DeviceSpec | None,
+                    layer_index: int | None = None) -> RematChoice | None:
     try:
-        return _provide(layer, stack, model, tags, shape, parallelism, device)
+        return _provide(layer, stack, model, tags, shape, parallelism, device, layer_index)
     except Exception as err:  # noqa: BLE001
         if _flag(STRICT_ENV):
             raise
@@ -338,8 +348,13 @@ def _check_names(policy: policies.RegexPolicy, names: list[str] | None) -> None:
 
 
 def _provide(layer: str | None, stack: str, model: Any, tags: Any, shape: Any,
-             parallelism: Any, device: DeviceSpec | None) -> RematChoice | None:
+             parallelism: Any, device: DeviceSpec | None,
+             layer_index: int | None = None) -> RematChoice | None:
     _check_stack(stack)
+    if layer_index is not None and (isinstance(layer_index, bool) or not isinstance(
+            layer_index, int) or layer_index < 0):
+        raise ValueError(f"layer_index={layer_index!r}: give the layer's number in its "
+                         "stack (an int from 0)")
     device = device or detect()
     if not device.is_neuron:
         logger.debug("neuron_remat: %s is not a Neuron device; no opinion", device.family)
@@ -360,12 +375,36 @@ def _provide(layer: str | None, stack: str, model: Any, tags: Any, shape: Any,
     config = _as_config(model, vocab)
     step = _as_shape(shape, config)
     par = _as_parallelism(parallelism)
+    if layer_index is not None:
+        return _provide_layer(layer, cse, config, step, par, device, names, layer_index)
     chosen = planner.plan(device, config, step, par)
     _check_names(chosen.policy, names)
     logger.info("neuron_remat: %s on %s saves %s (%.2f%% recompute)", layer or config.name,
                 device.describe(), list(chosen.saved_tags) or "nothing", 100 * chosen.overhead)
     return RematChoice(chosen.policy, cse, PROVIDER_NAME, reason=f"planned for {config.name}",
                        plan=chosen)
+
+
+def _provide_layer(layer: str | None, cse: bool, config: models.TransformerConfig,
+                   step: models.StepShape, par: models.Parallelism, device: DeviceSpec,
+                   names: list[str] | None, index: int) -> RematChoice:
+    """The policy of layer `index` under the per-layer plan (`plan(per_layer=True)`)."""
+    chosen = _per_layer_plan(device, config, step, par)
+    n = chosen.layers_per_core
+    if index >= n:
+        raise ValueError(f"layer_index={index} is past the {n} layers per core of "
+                         f"{config.name}")
+    policy = chosen.layer_policies[index] if chosen.layer_policies else chosen.policy
+    _check_names(policy, names)
+    return RematChoice(policy, cse, PROVIDER_NAME,
+                       reason=f"planned per layer for {config.name}: layer {index}",
+                       plan=chosen)
+
+
+@functools.lru_cache(maxsize=64)
+def _per_layer_plan(device: DeviceSpec, config: models.TransformerConfig,
+                    step: models.StepShape, par: models.Parallelism) -> planner.Plan:
+    return planner.plan(device, config, step, par, per_layer=True)
 
 
 def _as_config(model: Any, vocab: models.TagNames | None = None) -> models.TransformerConfig:

@@ -47,7 +47,8 @@ from ._axlearn_config import (STACK_PATH, ConfigReadError, TrainerDescription,
 
 __all__ = ["AXLEARN_COMMIT", "LAYER_PATH", "POLICY_FN", "REMAT3_POLICY_FN", "ConfigReadError",
            "RematSettings",
-           "TrainerDescription", "TrainerPlan", "describe_trainer", "modify", "plan_trainer",
+           "TrainerDescription", "TrainerPlan", "apply_per_layer", "describe_trainer", "modify",
+           "plan_trainer",
            "remat_plan_modifier", "remat_settings", "remat_spec", "stack_kind"]
 
 logger = logging.getLogger(__name__)
@@ -386,3 +387,59 @@ def modify(trainer_cfg: Any, *, spec_factory: Callable[..., Any] | None = None,
         return trainer_cfg
     stack.layer.remat_spec = spec
     return trainer_cfg
+
+
+# --------------------------------------------------------------------------------------
+# Per-layer plans (`plan(..., per_layer=True)`).
+# --------------------------------------------------------------------------------------
+
+
+def apply_per_layer(trainer_cfg: Any, *, device: DeviceSpec | None = None,
+                    instance_type: str | None = None, hosts: int | None = None,
+                    reserve: float | int | None = None, stack_path: str = STACK_PATH,
+                    max_sets: int | None = 2) -> planner.Plan | None:
+    """Plan the trainer config's layer per layer and write the plan where the stack allows.
+
+    A ``StackedTransformerLayer`` (unrolled; the TRN2 rule's stack) takes a list of layer
+    configs, one per layer: when the per-layer plan mixes save sets, its ``layer`` becomes
+    that list, each a clone of the layer config with its own ``remat_spec``. A
+    ``RepeatedTransformerLayer`` (one ``lax.scan`` body) keeps one ``remat_spec``: the best
+    uniform set's. Call it after the mesh rules, as `modify`. Returns the plan, or None
+    where `plan_trainer` leaves the config alone (off Neuron, pipelined stacks).
+    """
+    dev = _device(device, instance_type)
+    if not dev.is_neuron:
+        logger.info("neuron_remat: %s is not a Neuron device; remat_spec left as it is",
+                    dev.family)
+        return None
+    stack = _get(trainer_cfg, stack_path)
+    kind = stack_kind(stack.klass)
+    if kind == "pipelined":
+        return None
+    desc = describe_trainer(trainer_cfg, device=dev, hosts=hosts or _process_count(),
+                            stack_path=stack_path)
+    chosen = planner.plan(dev, desc.config, desc.shape, desc.parallelism, reserve=reserve,
+                          per_layer=True, max_sets=max_sets)
+    for policy in set(chosen.layer_policies or ()) | {chosen.policy}:
+        planner.refuse_dead_patterns(policy, desc.emitted, host=f"{desc.layer_path}")
+    layer = stack.layer
+    if isinstance(layer, (list, tuple)):
+        raise ConfigReadError(f"{stack_path}.layer is already a list of {len(layer)} layer "
+                              "configs; apply_per_layer expects one layer config")
+
+    def spec(policy: RegexPolicy) -> Any:
+        return _build_spec(_settings(policy, kind == "stacked", desc.layer_path),
+                           "apply_per_layer")
+
+    if kind == "stacked" and chosen.layer_policies is not None:
+        n = int(_get(trainer_cfg, f"{stack_path}.num_layers"))
+        if n != len(chosen.layer_policies):
+            raise ConfigReadError(f"{stack_path}.num_layers is {n}, the plan has "
+                                  f"{len(chosen.layer_policies)} layers per core")
+        specs = {p: spec(p) for p in set(chosen.layer_policies)}
+        stack.layer = [layer.clone(remat_spec=specs[p]) for p in chosen.layer_policies]
+    else:
+        layer.remat_spec = spec(chosen.policy)
+    logger.info("neuron_remat: per-layer plan for %s: %s", stack_path, "; ".join(
+        f"{m.layers} x {list(m.tags)}" for m in chosen.layer_mix))
+    return chosen
