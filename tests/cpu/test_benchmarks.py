@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # run_all.py --small: minutes on 2 cores; CI runs -m slow
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
