@@ -27,7 +27,7 @@ import functools
 import logging
 import re
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -351,6 +351,13 @@ class RegexPolicy(NamesPolicy):
         return tuple((kind, m.pattern) for kind, ms in (("save", self._save_rx),  # type: ignore[attr-defined]
                                                          ("offload", self._offload_rx))  # type: ignore[attr-defined]
                      for m in ms if m.fullmatch(tag))
+
+    def dead_patterns(self, names: Iterable[str]) -> tuple[str, ...]:
+        """The save and offload patterns that fully match none of `names` (the tags a
+        function or host emits): they would keep nothing. Linear-time matching (`_regex`);
+        the one check audit, the planner and the plugin share."""
+        live = {p for n in set(names) for _, p in self.matching(n)}
+        return tuple(p for p in (*self.save, *self.offload) if p not in live)
 
     @property
     def save_regex(self) -> str | None:
