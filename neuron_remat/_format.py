@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .device import DeviceSpec, GiB, MiB
 
 
@@ -38,3 +40,21 @@ def describe_device(spec: DeviceSpec) -> str:
         what = f"{plural(spec.cores, 'device')} visible, no HBM figure (not a Neuron device)"
     unverified = " (unverified figures)" if not spec.verified else ""
     return f"{where}{lnc}: {what}{unverified} [source: {spec.source}]"
+
+
+def tag_list(tags: Sequence[str], width: int | None = None) -> str:
+    """Tags for a table cell: without their class prefix (``MultiheadAttention.q_proj`` ->
+    ``q_proj``) where that leaves them distinct; with `width`, cut to whole names that fit
+    and a count of the rest."""
+    short = [t.rsplit(".", 1)[-1] for t in tags]
+    names = short if len(set(short)) == len(short) else list(tags)
+    if not names:
+        return "nothing"
+    text = ", ".join(names)
+    if width is None or len(text) <= width:
+        return text
+    keep = 1  # at least one name, whatever its length
+    while keep < len(names) and len(", ".join(names[:keep + 1])
+                                    + f" +{len(names) - keep - 1} more") <= width:
+        keep += 1
+    return ", ".join(names[:keep]) + (f" +{len(names) - keep} more" if keep < len(names) else "")
