@@ -189,6 +189,7 @@ SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 8 host devices in a subprocess, 9 sharded compiles: minutes on 2 cores
 def test_sharded_per_device_figures_match_per_core_model():
     # 8 CPU devices as (data=2, model=4): heads, KV heads and the FFN width split 4 ways,
     # the batch 2 ways; no sequence parallelism, so the layer input and the o_proj output

@@ -72,6 +72,7 @@ def roles_saved(names, saved):
     return {role for role, ns in names.items() if set(ns) & set(saved)}
 
 
+@pytest.mark.slow  # every subset of up to 10 tags traced, 4 layers: minutes on 2 cores
 @pytest.mark.parametrize("case", list(CASES))
 def test_kept_bytes_equal_jax_for_every_tag_subset(case):
     cfg, kind = CASES[case]
