@@ -36,14 +36,20 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
     if fr:
         out["frontier"] = [{
             "budget_bytes": e["budget_bytes"],
-            "planner_overhead": e["planner"]["overhead"],
-            "optimum_overhead": e["optimum"]["overhead"] if e["optimum"] else None,
-            "best_hand_written": e["best_hand_written"],
+            "planner_overhead": (e.get("planner") or {}).get("overhead"),
+            "optimum_overhead": (e.get("optimum") or {}).get("overhead"),
+            "best_hand_written": e.get("best_hand_written"),
         } for e in fr["budgets"]]
-        out["planner_matches_optimum"] = all(
-            e.get("planner_minus_optimum", 0.0) <= fr["tie"] for e in fr["budgets"])
-        out["planner_never_worse_than_hand_written"] = all(
-            e.get("planner_minus_best_hand_written", 0.0) <= fr["tie"] for e in fr["budgets"])
+        # A budget without its comparison is a failure, not a pass: the planner must be
+        # there and within TIE of the exhaustive optimum (absent when not exhaustive).
+        out["planner_matches_optimum"] = bool(fr["budgets"]) and all(
+            "planner_minus_optimum" in e and e["planner_minus_optimum"] <= fr["tie"]
+            for e in fr["budgets"])
+        # No hand-written policy fitting a budget leaves nothing to compare there.
+        out["planner_never_worse_than_hand_written"] = bool(fr["budgets"]) and all(
+            "planner" in e and (e.get("best_hand_written") is None
+                                or e["planner_minus_best_hand_written"] <= fr["tie"])
+            for e in fr["budgets"])
         if fr.get("fused"):
             out["fused_against_regexes"] = fr["fused"]["against_regexes"]
     acc = results.get("accuracy")
@@ -72,6 +78,31 @@ def headline(results: dict[str, Any]) -> dict[str, Any]:
     gpu = results.get("gpu_peak_memory")
     if gpu is not None:
         out["gpu_skipped"] = gpu.get("skipped", False)
+    return out
+
+
+def failures(summary: dict[str, Any], ran: Sequence[str]) -> list[str]:
+    """What the run does not show: each claim that failed, or whose figure is missing (a
+    missing figure is a failure, never a pass)."""
+    out = []
+    checks = {"frontier": ("planner_matches_optimum", "planner_never_worse_than_hand_written"),
+              "fit_sweep": ("fit_sweep.always_fits", "fit_sweep.refuses_only_when_nothing_fits")}
+    for part, keys in checks.items():
+        if part not in ran:
+            continue
+        for key in keys:
+            value: Any = summary
+            for k in key.split("."):
+                value = value.get(k) if isinstance(value, dict) else None
+            if value is not True:
+                out.append(f"{part}: {key} is {value!r}")
+    if "frontier" in ran:
+        against = summary.get("fused_against_regexes")
+        if not against:
+            out.append("frontier: the fused layer's comparison with the regexes is missing")
+        for a in against or ():
+            if not a["planner_overhead"] <= a["regex_overhead"] + summary["tie"]:
+                out.append(f"frontier: planner worse than the {a['regex']} at its budget")
     return out
 
 
@@ -109,11 +140,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         seconds[name] = time.perf_counter() - t
     seconds["total"] = time.perf_counter() - t_all
     summary = {"small": args.small, "seconds": seconds, **headline(results)}
+    if results.get("frontier"):
+        summary["tie"] = results["frontier"]["tie"]
+    summary["failures"] = failures(summary, list(results))
     path = C.write_json(C.json_path(args, NAME), summary)
     say("\n" + C.table([(k, f"{v:.1f} s") for k, v in seconds.items()], ("part", "time")))
+    for line in summary["failures"]:
+        print(f"FAILED {line}", file=sys.stderr)
     say(f"wrote {path}")
     return summary
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if main()["failures"] else 0)

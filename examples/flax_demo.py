@@ -433,13 +433,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     hbm = device.hbm_bytes_per_core or None
     if choice.plan is not None:
         print(choice.plan.table())
-        b = choice.plan.budget
+        plan = choice.plan
+        b = plan.budget
         assert b is not None
+        # The plan's own figures: its policy's workspace and the per-layer budget that
+        # leaves (the table's memory line), not the budget before a policy was chosen.
+        room = b.hbm_bytes - b.state.total_bytes - b.reserve_bytes - plan.workspace_bytes
         print(f"\nbudget: HBM {_mib(b.hbm_bytes)} - state {_mib(b.state.total_bytes)} - "
-              f"reserve {_mib(b.reserve_bytes)} - workspace {_mib(b.workspace_bytes)} = "
-              f"{_mib(b.available_bytes)} for {b.layers_per_core} layers "
-              f"({_mib(b.per_layer_bytes)} each); predicted peak "
-              f"{_mib(choice.plan.predicted_bytes_per_core)}")
+              f"reserve {_mib(b.reserve_bytes)} - workspace {_mib(plan.workspace_bytes)} = "
+              f"{_mib(room)} for {plan.layers_per_core} layers "
+              f"({_mib(plan.budget_bytes_per_layer)} each); predicted peak "
+              f"{_mib(plan.predicted_bytes_per_core)}")
     else:
         print(f"no plan ({choice.reason}): policy {choice.policy!r}")
     print("\ncompiled step: total = temp + arguments + outputs - aliased (donated params)")

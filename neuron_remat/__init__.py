@@ -10,27 +10,79 @@ the least recompute.
 Nothing here touches hardware or starts JAX's backends at import time.
 """
 
-from .device import DeviceSpec, detect, from_instance_type, parse_device
-from ._trace import traced_footprint
-from .audit import AuditReport, audit
-from .memory_model import Budget, Footprint, TagCost, budget, layer_footprint, model_state_bytes
-from .models import (
-    AXLEARN_TAGS,
-    MAXTEXT_TAGS,
-    MODELS,
-    Parallelism,
-    StepShape,
-    TagNames,
-    TransformerConfig,
-    from_hf_config,
-    get_model,
-)
-from .planner import CompiledFit, LayerMix, NoFitError, Plan, Probe, plan
-from .fit import fit, fit_per_layer, fit_table
-from .multihost import PolicyMismatchError
-from .plugin import RematChoice, checkpoint, provide, resolve_policy
-from .stack import scan_layers
-from .policies import PRESETS, RegexPolicy, preset, save_and_offload_only_these_names_regex
+import importlib
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names below, for type checkers; at run time each loads on first use
+    from ._trace import traced_footprint
+    from .audit import AuditReport, audit
+    from .device import DeviceSpec, detect, from_instance_type, parse_device
+    from .fit import fit, fit_per_layer, fit_table
+    from .memory_model import (Budget, Footprint, TagCost, budget, layer_footprint,
+                               model_state_bytes)
+    from .models import (AXLEARN_TAGS, MAXTEXT_TAGS, MODELS, Parallelism, StepShape,
+                         TagNames, TransformerConfig, from_hf_config, get_model)
+    from .multihost import PolicyMismatchError
+    from .planner import CompiledFit, LayerMix, NoFitError, Plan, Probe, plan
+    from .plugin import RematChoice, checkpoint, provide, resolve_policy
+    from .policies import PRESETS, RegexPolicy, preset, save_and_offload_only_these_names_regex
+    from .stack import scan_layers
+
+# Public name -> the module that defines it. Loaded lazily (PEP 562), so that importing the
+# package, and the CLI's `--help`, `detect` and `models`, never import JAX.
+_EXPORTS = {
+    "traced_footprint": "_trace",
+    "AuditReport": "audit", "audit": "audit",
+    "DeviceSpec": "device", "detect": "device", "from_instance_type": "device",
+    "parse_device": "device",
+    "fit": "fit", "fit_per_layer": "fit", "fit_table": "fit",
+    "Budget": "memory_model", "Footprint": "memory_model", "TagCost": "memory_model",
+    "budget": "memory_model", "layer_footprint": "memory_model",
+    "model_state_bytes": "memory_model",
+    "AXLEARN_TAGS": "models", "MAXTEXT_TAGS": "models", "MODELS": "models",
+    "Parallelism": "models", "StepShape": "models", "TagNames": "models",
+    "TransformerConfig": "models", "from_hf_config": "models", "get_model": "models",
+    "PolicyMismatchError": "multihost",
+    "CompiledFit": "planner", "LayerMix": "planner", "NoFitError": "planner",
+    "Plan": "planner", "Probe": "planner",
+    "plan": "planner",
+    "RematChoice": "plugin", "checkpoint": "plugin", "provide": "plugin",
+    "resolve_policy": "plugin",
+    "PRESETS": "policies", "RegexPolicy": "policies", "preset": "policies",
+    "save_and_offload_only_these_names_regex": "policies",
+    "scan_layers": "stack",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+class _Package(types.ModuleType):
+    """`audit` and `fit` are both functions and the modules that define them: importing the
+    module (`from neuron_remat import audit` inside the package, or a submodule import) must
+    leave the package's `audit` the function, as an eager import would."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if _EXPORTS.get(name) == name and isinstance(value, types.ModuleType):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+import sys as _sys  # noqa: E402
+
+_sys.modules[__name__].__class__ = _Package
+del _sys
 
 __version__ = "0.1.0"
 

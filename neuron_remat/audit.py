@@ -136,9 +136,7 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
         acts = tuple(range(call.n_positional))
     infos = _trace.emitted_tags(fn, args, kwargs)
     names = [i.name for i in infos]
-    patterns = [*policy.save, *policy.offload]
-    matched = {p for n in names for _, p in policy.matching(n)}  # linear-time matching
-    dead = tuple(p for p in patterns if p not in matched)
+    dead = policy.dead_patterns(names)
     if dead and strict:
         raise DeadPatternError(
             f"patterns {list(dead)} match none of the tags the function emits: {names}")

@@ -12,12 +12,17 @@ import re
 import sys
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+# JAX-free modules only: `--help`, `detect` and `models` never load JAX (4-5 s). The
+# commands that trace, plan or build policies import what they need when they run.
 from . import device as dev
-from .audit import LayerError, audit as run_audit
 from . import memory_model as mm
-from . import models, planner, policies
+from . import models
+from ._format import describe_device
+
+if TYPE_CHECKING:
+    from . import planner
 
 __all__ = ["main"]
 
@@ -121,7 +126,7 @@ def _cmd_detect(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(spec.to_dict())
         return 0
-    print(spec.describe())
+    print(describe_device(spec))
     print("evidence (* decided):")
     for e in spec.evidence:
         print(f"  {e}")
@@ -231,6 +236,8 @@ def _no_fit(err: planner.NoFitError, as_json: bool) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from . import planner  # noqa: PLC0415 - policies load JAX: only when planning
+
     if args.plot:
         _check_plot_path(args.plot)
     config, shape, par, device, note, reserve, candidates = _plan_inputs(args)
@@ -247,7 +254,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"{config.name}: seq {shape.seq_len} x micro-batch {shape.micro_batch}, "
               f"tp={chosen.parallelism.tp} fsdp={chosen.parallelism.fsdp} "  # type: ignore[union-attr]
               f"dp={chosen.parallelism.dp} pp={chosen.parallelism.pp} on "  # type: ignore[union-attr]
-              f"{device.describe()}")
+              f"{describe_device(device)}")
         print(chosen.table())
     if args.plot:
         return _plot(chosen, config, shape, args.plot)
@@ -349,6 +356,9 @@ def _load_factory(spec: str) -> Any:
 
 
 def _cmd_audit(args: argparse.Namespace) -> int:
+    from . import policies  # noqa: PLC0415 - JAX: only for the commands that trace
+    from .audit import LayerError, audit as run_audit  # noqa: PLC0415
+
     if args.policy and (args.save or args.offload):
         raise UsageError("give --policy or --save/--offload, not both")
     if args.policy:
@@ -371,6 +381,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
+    from . import planner  # noqa: PLC0415
     from .fit import fit, fit_table  # noqa: PLC0415 - traces and compiles: load when asked
 
     make_step, fargs = _load_factory(args.target)
@@ -397,6 +408,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
+    from . import policies  # noqa: PLC0415
+
     rows = [{"name": p.name, "save": list(p.policy.save), "offload": list(p.policy.offload),
              "reason": p.reason} for p in policies.PRESETS.values()]
     if args.json:
@@ -415,11 +428,19 @@ def _cmd_models(args: argparse.Namespace) -> int:
              "params": m.param_count(), "flash_attention": m.flash_attention,
              "default_seq_len": m.default_seq_len, "source": m.source}
             for m in models.MODELS.values()]
+    aliases: dict[str, list[str]] = {}
+    for alias, name in models._ALIASES.items():
+        aliases.setdefault(name, []).append(alias)
+    for r in rows:
+        r["aliases"] = aliases.get(r["name"], [])
     if args.json:
         _print_json(rows)
         return 0
-    for r in rows:
-        print(f"{r['name']:12s} {r['params'] / 1e9:7.2f}B params  h={r['hidden']} "
+    labels = [r["name"] + (f" (also {', '.join(r['aliases'])})" if r["aliases"] else "")
+              for r in rows]
+    width = max(map(len, labels))
+    for label, r in zip(labels, rows):
+        print(f"{label:{width}s} {r['params'] / 1e9:7.2f}B params  h={r['hidden']} "
               f"heads={r['heads']}/{r['kv_heads']} ffn={r['ffn']} L={r['layers']}  "
               f"[{r['source']}]")
     return 0
@@ -492,7 +513,8 @@ def _parser() -> argparse.ArgumentParser:
     a = sub.add_parser("audit", help="show what a policy keeps for your function")
     a.add_argument("target", help="MODULE:FUNCTION, a zero-argument factory returning "
                                   "(fn, args)")
-    a.add_argument("--policy", choices=list(policies.PRESETS), help="a preset")
+    a.add_argument("--policy", metavar="PRESET",
+                   help="a preset (`neuron-remat presets` lists them)")
     a.add_argument("--save", nargs="+", metavar="PATTERN", help="save patterns")
     a.add_argument("--offload", nargs="+", metavar="PATTERN", help="offload patterns")
     a.add_argument("--offload-dst", default="pinned_host",

@@ -60,7 +60,7 @@ from jax._src.ad_checkpoint import name_p, save_only_these_names
 from jax.extend import core as jcore
 
 from . import _trace
-from ._format import fmt_bytes, grid
+from ._format import fmt_bytes, grid, tag_list
 from .device import DeviceSpec
 from .graph import LayerGraph
 from .memory_model import reserve_bytes as _reserve_bytes
@@ -714,16 +714,16 @@ def fit_table(plan: Plan) -> str:
         return plan.table()
     rows = [("#", "compiled", "save", "bytes", "predicted", "fits", "GFLOP", "seconds")]
     for i, p in enumerate(rec.probes, 1):
-        what = NO_REMAT if p.saved is None else (", ".join(p.saved) or "nothing")
+        what = NO_REMAT if p.saved is None else tag_list(p.saved, width=48)
         rows.append((str(i), p.label, what, fmt_bytes(p.bytes) if rec.measured else "-",
                      fmt_bytes(p.predicted_bytes) if p.predicted_bytes is not None else "-",
                      ("yes" if p.bytes <= rec.limit_bytes else "no") if rec.measured else "-",
                      f"{p.flops / 1e9:.4g}", f"{p.seconds:.1f}"))
     lines = grid(rows)
     lines.append("")
-    chosen = "no remat" if rec.no_remat else (", ".join(plan.saved_tags) or "nothing")
+    chosen = NO_REMAT if rec.no_remat else f"save {tag_list(plan.saved_tags)}"
     lines.append(
-        f"fit: save {chosen}: {'compiled' if rec.measured else 'predicted'} "
+        f"fit: {chosen}: {'compiled' if rec.measured else 'predicted'} "
         f"{fmt_bytes(rec.bytes)} of {fmt_bytes(rec.limit_bytes)} (HBM "
         f"{fmt_bytes(rec.hbm_bytes)} - reserve {fmt_bytes(rec.reserve_bytes)}), recompute "
         f"{100 * rec.overhead:.2f}% of the step, {rec.compiles} compiles")

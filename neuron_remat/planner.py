@@ -844,9 +844,7 @@ def _untagged_notes(config: models.TransformerConfig, shape: models.StepShape,
 def dead_patterns(policy: RegexPolicy, names: Iterable[str]) -> list[str]:
     """The save and offload patterns of `policy` that fully match none of `names` (the tag
     names a host emits): a plan naming them would keep nothing for them."""
-    emitted = list(names)
-    return [p for p in (*policy.save, *policy.offload)
-            if not any(re.fullmatch(p, n) for n in emitted)]
+    return list(policy.dead_patterns(names))
 
 
 def refuse_dead_patterns(policy: RegexPolicy, names: Iterable[str], *,

@@ -39,7 +39,6 @@ import dataclasses
 import functools
 import logging
 import os
-import re
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -340,7 +339,7 @@ def _vocabulary(tags: Any) -> tuple[models.TagNames | None, list[str] | None]:
 def _check_names(policy: policies.RegexPolicy, names: list[str] | None) -> None:
     if names is None:
         return
-    dead = [p for p in policy.save if not any(re.fullmatch(p, n) for n in names)]
+    dead = list(policy.dead_patterns(names))
     if dead:
         raise ValueError(
             f"patterns {dead} match none of the tags the host emits ({names}); tell the "

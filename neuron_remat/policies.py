@@ -437,6 +437,13 @@ class RegexPolicy(NamesPolicy):
                                                          ("offload", self._offload_rx))  # type: ignore[attr-defined]
                      for m in ms if m.fullmatch(tag))
 
+    def dead_patterns(self, names: Iterable[str]) -> tuple[str, ...]:
+        """The save and offload patterns that fully match none of `names` (the tags a
+        function or host emits): they would keep nothing. Linear-time matching (`_regex`);
+        the one check audit, the planner and the plugin share."""
+        live = {p for n in set(names) for _, p in self.matching(n)}
+        return tuple(p for p in (*self.save, *self.offload) if p not in live)
+
     @property
     def save_regex(self) -> str | None:
         """The save patterns as one regex string (what axlearn's

@@ -18,3 +18,11 @@ def _clean_environment(monkeypatch):
     yield
     device._CACHE.clear()
     plugin.clear_cache()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that use test_fit.py's brute force (every save set of the fit demo compiled,
+    the longest set-up in the suite) are slow, wherever they are."""
+    for item in items:
+        if "brute" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+# The tests that read run_all.py --small's results are slow (minutes on 2 cores: every tag
+# subset compiled); `python -m pytest tests -m slow` runs them.
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -33,17 +36,23 @@ def load(folder, name):
     return json.loads((folder / f"{name}.json").read_text())
 
 
+@pytest.mark.slow
 def test_every_part_wrote_its_json(out):
     for name in ("frontier", "accuracy", "overheads", "scaling", "gpu_peak_memory", "summary"):
         assert (out / f"{name}.json").is_file(), name
     summary = load(out, "summary")
     assert summary["small"] is True
     assert summary["seconds"]["total"] > 0
+    assert summary["failures"] == []
 
 
+@pytest.mark.slow
 def test_frontier_planner_is_optimal_and_beats_hand_written(out):
     fr = load(out, "frontier")
     assert fr["dtype"] == "float32" and fr["backend"] == "cpu"
+    # The optimum is a brute force: every subset's program compiled, also with --small.
+    assert fr["exhaustive"] == "all"
+    assert all(s["flops"] is not None for s in fr["subsets"])
     assert len(fr["budgets"]) >= 3
     for e in fr["budgets"]:
         planner, optimum = e["planner"], e["optimum"]
@@ -62,6 +71,7 @@ def test_frontier_planner_is_optimal_and_beats_hand_written(out):
     assert fr["flops_layer_count_spread"] < 1e-9  # a scan body is counted once
 
 
+@pytest.mark.slow
 def test_frontier_policies_are_measured(out):
     fr = load(out, "frontier")
     by_name = {r["name"]: r for r in fr["policies"]}
@@ -84,6 +94,7 @@ def test_frontier_policies_are_measured(out):
     assert png.startswith(PNG_MAGIC) and len(png) > 10_000
 
 
+@pytest.mark.slow
 def test_frontier_fused_layer_is_planned_from_its_trace(out):
     fr = load(out, "frontier")
     fz = fr["fused"]
@@ -101,6 +112,7 @@ def test_frontier_fused_layer_is_planned_from_its_trace(out):
     assert fz["footprint_seconds"] > 0 and fz["plan_ms_median"] > 0
 
 
+@pytest.mark.slow
 def test_accuracy_ratios(out):
     acc = load(out, "accuracy")
     assert acc["subsets_bytes_ratio"]["max_abs_error"] == 0
@@ -113,6 +125,7 @@ def test_accuracy_ratios(out):
     assert by_name["no remat"]["flops_ratio"] is None  # nothing recomputed
 
 
+@pytest.mark.slow
 def test_overheads_are_positive_numbers(out):
     ov = load(out, "overheads")
     imp = ov["import"]
@@ -129,6 +142,7 @@ def test_overheads_are_positive_numbers(out):
     assert ov["policy_calls"]["calls_per_trace_32_unrolled"]["name"] > 0
 
 
+@pytest.mark.slow
 def test_scaling_tables_and_exact_planner(out):
     sc = load(out, "scaling")
     assert [r["layers"] for r in sc["plan_layers"]] == [8, 32, 80, 160]
@@ -148,9 +162,32 @@ def test_scaling_tables_and_exact_planner(out):
     assert len(traced[16]["groups"]) == 2  # each layer's fused q/k/v
 
 
+@pytest.mark.slow
 def test_gpu_script_skips_cleanly_without_a_gpu(out):
     gpu = load(out, "gpu_peak_memory")
     if gpu["skipped"]:
         assert "no CUDA GPU" in gpu["reason"]
     else:
         assert gpu["policies"]
+
+
+def test_run_all_counts_a_missing_comparison_as_a_failure():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import run_all
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    entry = {"budget_bytes": 1, "planner": {"overhead": 0.1}, "optimum": {"overhead": 0.1},
+             "best_hand_written": None, "planner_minus_optimum": 0.0}
+    frontier = {"tie": 1e-6, "budgets": [entry], "fused": {"against_regexes": [
+        {"regex": "r", "planner_overhead": 0.1, "regex_overhead": 0.2}]}}
+    good = run_all.headline({"frontier": frontier}) | {"tie": 1e-6}
+    assert run_all.failures(good, ["frontier"]) == []
+    for broken in ({k: v for k, v in entry.items() if k != "planner_minus_optimum"},
+                   {k: v for k, v in entry.items() if k != "planner"},
+                   entry | {"planner_minus_optimum": 0.01}):
+        bad = run_all.headline({"frontier": frontier | {"budgets": [entry, broken]}})
+        assert run_all.failures(bad | {"tie": 1e-6}, ["frontier"]), broken
+    assert run_all.failures({}, ["frontier"])  # nothing measured at all
+    assert run_all.failures({"fit_sweep": {"always_fits": True}}, ["fit_sweep"]) == [
+        "fit_sweep: fit_sweep.refuses_only_when_nothing_fits is None"]

@@ -189,3 +189,33 @@ def test_safe_pattern_agrees_with_re(pattern, tag):
     except _regex.PatternError:
         assume(False)
     assert safe.fullmatch(tag) == bool(re.fullmatch(pattern, tag))
+
+
+def test_the_one_dead_pattern_check_is_linear_time_and_agrees_with_re():
+    # audit, the planner and the plugin share RegexPolicy.dead_patterns: against tags that
+    # make re.fullmatch("(.+)+b", ...) backtrack for minutes, each answers at once.
+    code = textwrap.dedent("""
+        from neuron_remat import planner, plugin
+        from neuron_remat.policies import RegexPolicy
+        p = RegexPolicy(["(.+)+b", "q_proj", "(x|x)*y"])
+        names = ["x" * 3000, "q_proj"]
+        assert p.dead_patterns(names) == ("(.+)+b", "(x|x)*y"), p.dead_patterns(names)
+        assert planner.dead_patterns(p, names) == ["(.+)+b", "(x|x)*y"]
+        try:
+            plugin._check_names(p, names)
+        except ValueError as err:
+            assert "(.+)+b" in str(err)
+        else:
+            raise AssertionError("the plugin accepted dead patterns")
+        print("ok")
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr
+    # Against re on tags short enough for it.
+    p = pol.RegexPolicy(["a.*", "b+", "c"], ["d|e"], offload_src="device",
+                        offload_dst="pinned_host")
+    for names in (["a1", "bb"], ["c", "e"], [], ["abc", "d"]):
+        expected = tuple(q for q in (*p.save, *p.offload)  # "d|e" is held as "d", "e"
+                         if not any(re.fullmatch(q, n) for n in names))
+        assert p.dead_patterns(names) == expected, names

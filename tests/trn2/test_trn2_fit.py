@@ -4,6 +4,7 @@ what the compiler allocates, or, where the Neuron PJRT plugin has no
 line). A small scanned decoder (two layers, three tags) keeps the compiles short."""
 
 import dataclasses
+import importlib
 import logging
 import pathlib
 import sys
@@ -13,6 +14,8 @@ import neuron_remat as nr
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from examples import fit_demo  # noqa: E402
+
+F = importlib.import_module("neuron_remat.fit")  # the module (nr.fit is the function)
 
 CONFIG = dataclasses.replace(
     fit_demo.SMALL, layers=2, tags=dataclasses.replace(
@@ -35,4 +38,10 @@ def test_fit_measures_or_falls_back_with_a_note(caplog):
         assert any("cannot report a compiled step's memory" in n for n in plan.notes)
         assert "memory_analysis" in caplog.text
         assert 0 < rec.bytes <= rec.limit_bytes  # the uncalibrated prediction
-    assert set(plan.saved_tags) <= {"q_proj", "o_proj", "linear1_0"}
+    if rec.measured:
+        # The chosen set's step, compiled here on its own, allocates what fit recorded.
+        m = make_step(plan.policy).lower(*args).compile().memory_analysis()
+        assert rec.bytes == (m.argument_size_in_bytes + m.output_size_in_bytes
+                             + m.temp_size_in_bytes - m.alias_size_in_bytes)
+    # The step's three tags, read from the trace: the plan names those and no others.
+    assert F.step_graph(make_step, *args).tags == ("q_proj", "o_proj", "linear1_0")
