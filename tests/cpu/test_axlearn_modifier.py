@@ -144,11 +144,11 @@ def test_fuji_70b_last_in_the_trn2_rule_replaces_the_pr_898_spec(axlearn, trn2):
     saved = planned.policy.save_regex
     assert saved != PR_898 and "flash_residuals" not in saved and "context" not in saved
     # The config's policy, axlearn's closure instantiated from it, keeps q, k, v and o
-    # (README: fuji-70B-v3-flash on 64 trn2.48xlarge, 19.41% recompute), and the PR 898
+    # (README: fuji-70B-v3-flash on 64 trn2.48xlarge, 19.43% recompute), and the PR 898
     # spec it replaced kept q, k, v and the gated FFN input.
     assert _saved_by(spec) == _matching(["q_proj", "k_proj", "v_proj", "o_proj"])
     assert _saved_by(_spec(before)) == _matching(["[kqv]_proj", "linear1_[01]"])
-    assert round(100 * planned.overhead, 2) == 19.41
+    assert round(100 * planned.overhead, 2) == 19.43
 
 
 def test_fuji_70b_on_one_host_does_not_fit_and_says_so(axlearn, trn2):
@@ -226,9 +226,9 @@ def test_fuji_7b_single_host_plans_with_no_arguments(axlearn, trn2):
     assert result.plan.saved_tags == planned.saved_tags
     assert result.plan.kept_bytes_per_layer == planned.kept_bytes_per_layer
     # README: fuji-7B-v3-flash on one trn2.48xlarge saves q, k, v, o and the gated FFN
-    # input at 5.36% recompute.
+    # input at 5.45% recompute.
     assert _saved_by(_spec(cfg)) == _matching(["[qkvo]_proj", "linear1_[01]"])
-    assert round(100 * result.plan.overhead, 2) == 5.36
+    assert round(100 * result.plan.overhead, 2) == 5.45
 
 
 def _base_7b_with_own_rule(plan):
@@ -256,9 +256,9 @@ def test_base_fuji_7b_with_fused_qkv(axlearn, trn2):
     qkv = {"q_proj", "k_proj", "v_proj"} & set(result.plan.saved_tags)
     assert qkv in (set(), {"q_proj", "k_proj", "v_proj"})  # a slice alone avoids nothing
     # README: the base config on one trn2.48xlarge saves all three slices, o and the gated
-    # FFN input at 5.37% recompute.
+    # FFN input at 5.46% recompute.
     assert _saved_by(_spec(cfg)) == _matching(["[qkvo]_proj", "linear1_[01]"])
-    assert round(100 * result.plan.overhead, 2) == 5.37
+    assert round(100 * result.plan.overhead, 2) == 5.46
 
 
 # --- fused QKV: one matmul, three tags ----------------------------------------------------
