@@ -38,8 +38,9 @@ class NoFitError(ValueError):
 class Probe:
     """One compile of the training step (`fit`): what XLA allocated and computed.
 
-    `bytes` is ``argument + output + temp - alias`` from ``memory_analysis()``; `saved` is
-    None for no remat. `predicted_bytes` is what the fitted model said before this compile
+    `bytes` is ``argument + output + temp - alias`` from ``memory_analysis()`` (-1 when the
+    backend reports none: then the compile is the oracle, `out_of_memory` its answer);
+    `saved` is None for no remat. `predicted_bytes` is what the fitted model said before this compile
     (None for the probes it was fitted on)."""
 
     label: str
@@ -52,6 +53,8 @@ class Probe:
     flops: float
     seconds: float
     predicted_bytes: int | None = None
+    out_of_memory: bool = False  # the compile failed for want of device memory
+    reported_bytes: int | None = None  # the byte figure that failure gave, if any
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,7 @@ class Plan:
     the policy says (its input).
     """
 
-    policy: RegexPolicy
+    policy: RegexPolicy | Callable[..., Any]  # fit's no remat: everything_saveable
     saved_tags: tuple[str, ...]
     kept_bytes_per_layer: int
     budget_bytes_per_layer: int
@@ -199,7 +202,8 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "policy": self.policy.to_dict(),
+            "policy": (self.policy.to_dict() if hasattr(self.policy, "to_dict")
+                       else {"jax": getattr(self.policy, "__name__", repr(self.policy))}),
             "saved_tags": list(self.saved_tags),
             "kept_bytes_per_layer": self.kept_bytes_per_layer,
             "budget_bytes_per_layer": self.budget_bytes_per_layer,
@@ -268,7 +272,8 @@ class Plan:
                          f"{c.recompute_flops / 1e9:.4g} GFLOP/layer")
         lines.extend(f"note: {n}" for n in self.notes)
         lines.append(f"policy: {self.policy!r}")
-        lines.append(f"regex:  {self.policy.save_regex or '(save nothing)'}")
+        if hasattr(self.policy, "save_regex"):
+            lines.append(f"regex:  {self.policy.save_regex or '(save nothing)'}")
         return "\n".join(lines)
 
 
