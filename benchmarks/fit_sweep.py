@@ -304,7 +304,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         spec = zoo.ZOO[name]
         make_step, step_args = spec.make_step(), spec.abstract_args()
         graph = F.step_graph(make_step, *step_args)
-        pool = F._pool(graph, None)[:max_tags]
+        pool = F._pool(graph, None)[:min(max_tags, spec.extra.get("brute_tags", max_tags))]
         brute = Brute(spec, pool, args.out / "fit_brute" / f"{name}{'-small' if args.small else ''}.json")
         say(f"{name} ({spec.split}): tags {', '.join(pool)}")
         seconds = brute.fill(say)

@@ -14,32 +14,48 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    layer: for every save set, the bytes kept and the FLOPs recomputed, jointly;
 2. AOT-compiles full remat and every useful tag saved (``jit(step).lower(*args).compile()``),
    reads ``memory_analysis()`` (argument + output + temp - alias) and ``cost_analysis()``,
-   and calibrates ``bytes(S) = fixed + kept(S) + slope x read(S)``: kept(S) the residuals
-   of every layer (exact, from the graphs), read(S) the bytes one layer's backward reads
-   that S recomputes (its working set beyond the residuals: more when little is saved),
-   `fixed` the state and the policy-independent temporaries. No remat is compiled when
-   its optimistic prediction (every value a backward reads kept, no working set) is within
-   `WIDE_BAND` of the limit, and returned when it fits: nothing recomputes less;
-3. walks the save sets by least recompute: compiles the first one predicted within
-   `DEFAULT_BAND` of the limit (each prediction corrected by the model's miss on the
-   nearest compiled set: XLA's buffer packing moves by a few MiB when one tag changes),
-   recalibrates, and stops when a set fits with no better set left to try or the budget
-   (`max_compiles`, 6 up to 8 tags) is spent. The plan is the least-recompute set whose
-   compile fit: never one that does not. While nothing has fit, the budget stretches by
-   one compile per tag and the smallest predicted sets go first, so `NoFitError` (with
-   the numbers) comes only when none of those fit either.
-
-On XLA:CPU the model misses by up to about 2.5 MiB on a 40-60 MiB step (tests/cpu and
-benchmarks/fit_sweep.py measure it); the compiles, not the model, decide what fits.
+   and calibrates ``bytes(S) = fixed + scale x kept(S) + slope x read(S)``: kept(S) the
+   residuals of every layer (exact, from the graphs), read(S) the bytes one layer's
+   backward reads that S recomputes, `scale` what the backend stores per kept byte (1, or
+   2 where XLA:CPU keeps bfloat16 as float32), `fixed` the state and the
+   policy-independent temporaries. Each saved tag also gets a share of the model's misses
+   (a ridge fit over which tags the compiled sets save): XLA's buffer packing moves with
+   particular tags, and saving one may compile smaller than saving none;
+3. searches by expected gain: each set that recomputes less than the best compiled fit
+   gets a chance to fit (normal errors of the current uncertainty), and the next compile
+   goes to the largest chance x recompute saved, among sets whose chance is at least
+   `PLAUSIBLE`. The uncertainty starts at `band` of full remat's bytes, widens after a
+   miss (a compile off its prediction by more than it) and narrows after a hit. When two
+   compiles in a row come out over, the walk has stalled: the next compile bisects the
+   predicted frontier (the Pareto sets by predicted bytes and recompute) between the best
+   fit and the nearest set known over. The last compile of the budget never goes to a
+   long shot (chance under one half) while nothing better than full remat fits. It stops
+   when the least-recompute set fits, nothing better is plausible, or the budget
+   (`max_compiles`, 6 up to 8 tags, said up front) is spent, and logs why; the plan is
+   the least-recompute set whose compile fit, never one that did not. No remat is a
+   candidate like the others (its policy: ``everything_saveable``). When full remat does
+   not fit, the sets predicted smallest are compiled (one per tag more) before
+   `NoFitError`.
 
 A backend without ``memory_analysis()`` (it raises, returns None, or reports nothing; the
-Neuron PJRT plugin may not implement it) is detected at the first compile: `fit` then plans
-from the traced graphs with an uncalibrated model (fixed = the arguments and outputs, no
-aliasing assumed; slope 1) and logs a note saying so, which the plan carries too.
+Neuron PJRT plugin may not implement it) makes the compile the oracle: an error carrying
+XLA's ``RESOURCE_EXHAUSTED`` or neuronx-cc's NCC_EOOM001/NCC_EOOM002 ("exceeds the
+high-bandwidth memory") means over (`out_of_memory`, byte figures kept), a compile that
+succeeds means it fits. `fit` then bisects the frontier predicted from the graphs
+(arguments + outputs - donated state + kept + recomputed reads), at most
+1 + ceil(log2(frontier)) compiles.
+
+Two steps are reported rather than planned: one whose policy changes nothing (full remat
+and every tag saved compile to the same program: `PolicyIgnoredError`), and one whose
+compiled memory does not follow the kept bytes (an unrolled Python loop on XLA:CPU: no
+remat compiles less than `FOLLOW` of its extra kept bytes above full remat). The latter
+gets the least-recompute compiled set that fits and a note saying why it was not
+searched.
 
 When the step has no ``remat2`` equation (no ``jax.checkpoint`` in it, or a transform that
 hides it) the per-layer graph cannot be read; `fit` then raises a ValueError naming what
-it looked for.
+it looked for. `fit_preview` (``neuron-remat fit --dry-run``) compiles full remat only and
+lists the frontier with predicted bytes.
 """
 
 from __future__ import annotations
@@ -67,7 +83,8 @@ from .memory_model import reserve_bytes as _reserve_bytes
 from .planner import Choice, CompiledFit, NoFitError, Plan, Probe, TagDecision
 from .policies import RegexPolicy
 
-__all__ = ["CompiledFit", "LayerBackward", "Probe", "StepGraph", "fit", "fit_table", "step_graph"]
+__all__ = ["CompiledFit", "FitPreview", "LayerBackward", "PolicyIgnoredError", "Probe",
+           "StepGraph", "fit", "fit_preview", "fit_table", "out_of_memory", "step_graph"]
 
 logger = logging.getLogger(__name__)
 
@@ -396,7 +413,9 @@ uncertainty's size) is at least this."""
 TAG_RIDGE = 0.5
 """How hard each tag's share of the misses is pulled towards none (in compiles)."""
 NO_REMAT_SPREAD = 1.5
-"""No remat keeps untagged values too: its uncertainty is this multiple."""
+"""No remat keeps untagged values too: its uncertainty is this multiple..."""
+UNTAGGED = 0.25
+"""... plus this share of what it keeps beyond the least-recompute save set."""
 FOLLOW = 0.35
 """Memory follows the kept bytes when no remat compiles at least this share of its extra
 kept bytes above full remat (an unrolled Python loop on XLA:CPU: about 0.13)."""
@@ -546,7 +565,14 @@ class _Search:
 
     def chance(self, c: _Candidate) -> float:
         """The chance `c` compiles within the limit, errors normal with the uncertainty."""
-        spread = self.sigma * (NO_REMAT_SPREAD if c.saved is None else 1.0)
+        spread = self.sigma
+        if c.saved is None and None not in self.compiled:
+            # what no remat keeps beyond the tags (norms, softmaxes, activations) the
+            # compiler often fuses away: uncertain in proportion
+            assert self.model is not None
+            spread = NO_REMAT_SPREAD * self.sigma + UNTAGGED * self.model.scale * max(
+                c.kept - self.candidates[0 if self.candidates[0].saved is not None
+                                        else 1].kept, 0)
         return _phi((self.limit - self.predict(c)) / max(spread, 1.0))
 
     # ---- the search ------------------------------------------------------------------

@@ -218,6 +218,11 @@ def test_sweep_against_brute_force(step, graph, brute):
         assert rec.compiles <= (6 if brute[()].bytes <= hbm else 6 + len(graph.tags))
         key = None if rec.no_remat else tuple(sorted(plan.saved_tags,
                                                      key=graph.tags.index))
+        # the policy the plan carries is the set whose figures it states
+        if rec.no_remat:
+            assert plan.policy is jax.checkpoint_policies.everything_saveable
+        else:
+            assert tuple(t for t in graph.tags if plan.policy.saves(t)) == key
         truth = brute[key]
         assert rec.bytes == truth.bytes <= hbm  # confirmed by its own compile
         assert rec.flops == truth.flops
@@ -234,6 +239,8 @@ def test_no_remat_fits_when_the_device_is_large(step, graph, brute):
     make_step, args = step
     plan = nr.fit(make_step, *args, device=_device(brute[None].bytes * 2), reserve=0.1)
     assert plan.compiled.no_remat and plan.compiled.bytes == brute[None].bytes
+    assert plan.policy is jax.checkpoint_policies.everything_saveable
+    assert plan.compiled.flops == brute[None].flops
     assert plan.compiled.compiles <= 4  # full remat, every tag, no remat
     assert plan.saved_tags == graph.tags
     d = plan.to_dict()
@@ -260,7 +267,29 @@ def test_cli_fit_prints_probes_and_json(brute):
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     assert d["compiled"]["bytes"] <= hbm and d["compiled"]["compiles"] >= 2
-    assert out.stderr.count("compile ") == 2 * d["compiled"]["compiles"]  # start, result
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("compile ")]
+    assert len(lines) == 2 * d["compiled"]["compiles"]  # start, result
+    assert "at most 6 compiles" in out.stderr  # said up front
+
+
+def test_cli_fit_dry_run_compiles_full_remat_only(brute):
+    hbm = brute[()].bytes + 2 * MiB
+    out = _cli("fit", "examples.fit_demo:small_factory", "--device",
+               f"trn2.48xlarge:hbm={hbm}B:cores=1", "--reserve", "0", "--dry-run", "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["full_remat"]["bytes"] == brute[()].bytes  # the one compile, as XLA says
+    assert d["candidates"][-1]["saved"] == [] and len(d["candidates"]) >= 3
+    assert all(c["predicted_bytes"] > 0 for c in d["candidates"])
+    assert d["candidates"][0]["recompute_flops"] < d["candidates"][-1]["recompute_flops"]
+
+
+@pytest.mark.parametrize("flag, value", [("--band", "nan"), ("--band", "-1"),
+                                         ("--max-compiles", "0"), ("--reserve", "nan")])
+def test_cli_fit_bad_options_are_one_line(flag, value):
+    out = _cli("fit", "examples.fit_demo:small_factory", flag, value)
+    assert out.returncode == 2 and flag in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("target, message", [

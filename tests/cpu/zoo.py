@@ -229,7 +229,7 @@ ZOO: dict[str, Spec] = {s.name: s for s in [
          note="scanned, bf16, MHA, large vocabulary and few tokens: no remat about 1.5x "
               "full remat, AdamW, donated"),
     Spec("unrolled-gqa2", "held-out", MAXTEXT | {"v": None}, heads=4, kv_heads=2,
-         scan=False, seq=96,
+         scan=False, seq=96, extra={"brute_tags": 4},
          note="an unrolled Python loop of checkpointed layers: XLA:CPU keeps about the "
               "same memory whatever the policy"),
 ]}
