@@ -83,10 +83,12 @@ class Brute:
     def __init__(self, spec: Any, tags: Sequence[str], path: Path) -> None:
         self.spec, self.tags, self.path = spec, tuple(tags), path
         self.table: dict[str, dict[str, float]] = {}
+        self.file_tags = list(self.tags)
         if path.exists():
             data = json.loads(path.read_text())
-            if data.get("tags") == list(self.tags):
-                self.table = data["sets"]
+            # a cache over more tags serves a prefix of them (same key order)
+            if data.get("tags", [])[:len(self.tags)] == list(self.tags):
+                self.table, self.file_tags = data["sets"], data["tags"]
 
     def sets(self) -> list[tuple[str, ...] | None]:
         out: list[tuple[str, ...] | None] = [None]
@@ -112,7 +114,7 @@ class Brute:
             row["flops"] = float(c.cost_analysis()["flops"])
             self.table[_key(saved)] = row
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps({"step": self.spec.name, "tags": list(self.tags),
+            self.path.write_text(json.dumps({"step": self.spec.name, "tags": self.file_tags,
                                              "sets": self.table}, indent=0))
             say(f"  {self.spec.name}: compiled {i + 1}/{len(todo)} "
                 f"({_key(saved) or 'nothing'}): {row['bytes'] / MiB:.2f} MiB")
@@ -305,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         make_step, step_args = spec.make_step(), spec.abstract_args()
         graph = F.step_graph(make_step, *step_args)
         pool = F._pool(graph, None)[:min(max_tags, spec.extra.get("brute_tags", max_tags))]
-        brute = Brute(spec, pool, args.out / "fit_brute" / f"{name}{'-small' if args.small else ''}.json")
+        brute = Brute(spec, pool, args.out / "fit_brute" / f"{name}.json")
         say(f"{name} ({spec.split}): tags {', '.join(pool)}")
         seconds = brute.fill(say)
         if args.brute_only:
