@@ -2,17 +2,17 @@
 
 The zoo is tests/cpu/zoo.py: scanned and unrolled stacks, float32 and bfloat16, AdamW, SGD
 and Adafactor, a wide FFN beside narrow attention and the reverse, GQA ratios from MHA to
-MQA, a fused QKV, a MoE feed-forward, no remat from about 1.3x to 3x full remat. Steps
+MQA, a fused QKV, a MoE feed-forward, no remat from about 1.1x to 3.2x full remat. Steps
 marked ``train`` are the ones `fit`'s search constants were tuned on; ``held-out`` steps
 were not looked at while tuning, and are reported apart.
 
 For each step:
 
-1. the brute force: every subset of (at most) `MAX_TAGS` useful tags, and no remat,
+1. the brute force: every subset of (at most) `MAX_TAGS` useful tags (4 for the unrolled step), and no remat,
    compiled on XLA:CPU once and cached by save set in ``OUT/fit_brute/<step>.json`` (the
    compile is deterministic; delete the file to recompile). The brute force is compiled
    with ``--xla_backend_optimization_level=0`` (LLVM's work only: buffer assignment and
-   ``memory_analysis()`` come out the same, checked on two sets of each step);
+   ``memory_analysis()`` came out the same on the two sets of gqa4-adamw checked);
 2. a sweep of HBM sizes every 1% of the range from the smallest compiled step to 5% above
    no remat, one simulated core, no reserve. At each size `fit` runs with its compiles
    served from that cache (counted as compiles all the same), in two modes:

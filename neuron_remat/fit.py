@@ -393,7 +393,7 @@ class _Model:
 
 
 # The search's constants, tuned on the zoo's "train" steps only (tests/cpu/zoo.py:
-# gqa4-adamw, wide-ffn-sgd-bf16, long-seq-4x); benchmarks/fit_sweep.py reports the
+# gqa4-adamw, wide-ffn-sgd-bf16, long-seq); benchmarks/fit_sweep.py reports the
 # held-out steps apart.
 DEFAULT_BAND = 0.02
 """The uncertainty of a prediction before any miss is seen, as a share of full remat's
