@@ -380,21 +380,44 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     return 2 if (args.strict and report.dead_patterns) else 0
 
 
+def _band(text: str) -> float:
+    """fit's --band: a finite share in [0, 1]."""
+    try:
+        value = float(text) if text.strip().isascii() and len(text) <= 32 else None
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= 1:  # NaN and inf fail too
+        raise argparse.ArgumentTypeError(
+            f"{dev._show(text)} is not a share of full remat's bytes in [0, 1] (0.02)")
+    return value
+
+
 def _cmd_fit(args: argparse.Namespace) -> int:
     from . import planner  # noqa: PLC0415
-    from .fit import fit, fit_table  # noqa: PLC0415 - traces and compiles: load when asked
+    from .fit import fit, fit_preview, fit_table  # noqa: PLC0415 - traces and compiles
 
     make_step, fargs = _load_factory(args.target)
     device, note = _device_for_plan(args.device)
     if note:
         print(f"note: {note}", file=sys.stderr)
     reserve: float | int | None = args.reserve
-    options: dict[str, Any] = {"progress": lambda line: print(line, file=sys.stderr,
-                                                               flush=True)}
+    options: dict[str, Any] = {}
     if args.candidates:
         options["candidates"] = args.candidates
     if args.max_compiles is not None:
         options["max_compiles"] = args.max_compiles
+    if args.dry_run:
+        print("dry run: compiling full remat only ...", file=sys.stderr, flush=True)
+        preview = fit_preview(make_step, *fargs, device=device, reserve=reserve, **options)
+        if args.json:
+            _print_json({**preview.to_dict(), **({"note": note} if note else {})})
+        else:
+            print(f"{args.target} on {device.describe()}")
+            print(preview.table())
+        return 0
+    if args.band is not None:
+        options["band"] = args.band
+    options["progress"] = lambda line: print(line, file=sys.stderr, flush=True)
     try:
         chosen = fit(make_step, *fargs, device=device, reserve=reserve, **options)
     except planner.NoFitError as err:
@@ -538,6 +561,12 @@ def _parser() -> argparse.ArgumentParser:
     ft.add_argument("--candidates", type=_candidates, help="comma-separated tags to consider")
     ft.add_argument("--max-compiles", type=_count(3, what="a compile budget"),
                     help="compile budget (default 6 up to 8 tags; at least 3)")
+    ft.add_argument("--band", type=_band,
+                    help="a prediction's uncertainty before any compile has missed, as a "
+                         "share of full remat's bytes (default 0.02)")
+    ft.add_argument("--dry-run", action="store_true",
+                    help="compile full remat only; list the save sets fit would choose "
+                         "among, with their predicted bytes")
     ft.add_argument("--json", action="store_true", help="print JSON")
     ft.set_defaults(run=_cmd_fit)
 

@@ -14,32 +14,48 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    layer: for every save set, the bytes kept and the FLOPs recomputed, jointly;
 2. AOT-compiles full remat and every useful tag saved (``jit(step).lower(*args).compile()``),
    reads ``memory_analysis()`` (argument + output + temp - alias) and ``cost_analysis()``,
-   and calibrates ``bytes(S) = fixed + kept(S) + slope x read(S)``: kept(S) the residuals
-   of every layer (exact, from the graphs), read(S) the bytes one layer's backward reads
-   that S recomputes (its working set beyond the residuals: more when little is saved),
-   `fixed` the state and the policy-independent temporaries. No remat is compiled when
-   its optimistic prediction (every value a backward reads kept, no working set) is within
-   `WIDE_BAND` of the limit, and returned when it fits: nothing recomputes less;
-3. walks the save sets by least recompute: compiles the first one predicted within
-   `DEFAULT_BAND` of the limit (each prediction corrected by the model's miss on the
-   nearest compiled set: XLA's buffer packing moves by a few MiB when one tag changes),
-   recalibrates, and stops when a set fits with no better set left to try or the budget
-   (`max_compiles`, 6 up to 8 tags) is spent. The plan is the least-recompute set whose
-   compile fit: never one that does not. While nothing has fit, the budget stretches by
-   one compile per tag and the smallest predicted sets go first, so `NoFitError` (with
-   the numbers) comes only when none of those fit either.
-
-On XLA:CPU the model misses by up to about 2.5 MiB on a 40-60 MiB step (tests/cpu and
-benchmarks/fit_sweep.py measure it); the compiles, not the model, decide what fits.
+   and calibrates ``bytes(S) = fixed + scale x kept(S) + slope x read(S)``: kept(S) the
+   residuals of every layer (exact, from the graphs), read(S) the bytes one layer's
+   backward reads that S recomputes, `scale` what the backend stores per kept byte (1, or
+   2 where XLA:CPU keeps bfloat16 as float32), `fixed` the state and the
+   policy-independent temporaries. Each saved tag also gets a share of the model's misses
+   (a ridge fit over which tags the compiled sets save): XLA's buffer packing moves with
+   particular tags, and saving one may compile smaller than saving none;
+3. searches by expected gain: each set that recomputes less than the best compiled fit
+   gets a chance to fit (normal errors of the current uncertainty), and the next compile
+   goes to the largest chance x recompute saved, among sets whose chance is at least
+   `PLAUSIBLE`. The uncertainty starts at `band` of full remat's bytes, widens after a
+   miss (a compile off its prediction by more than it) and narrows after a hit. When two
+   compiles in a row come out over, the walk has stalled: the next compile bisects the
+   predicted frontier (the Pareto sets by predicted bytes and recompute) between the best
+   fit and the nearest set known over. The last compile of the budget never goes to a
+   long shot (chance under one half) while nothing better than full remat fits. It stops
+   when the least-recompute set fits, nothing better is plausible, or the budget
+   (`max_compiles`, 6 up to 8 tags, said up front) is spent, and logs why; the plan is
+   the least-recompute set whose compile fit, never one that did not. No remat is a
+   candidate like the others (its policy: ``everything_saveable``). When full remat does
+   not fit, the sets predicted smallest are compiled (one per tag more) before
+   `NoFitError`.
 
 A backend without ``memory_analysis()`` (it raises, returns None, or reports nothing; the
-Neuron PJRT plugin may not implement it) is detected at the first compile: `fit` then plans
-from the traced graphs with an uncalibrated model (fixed = the arguments and outputs, no
-aliasing assumed; slope 1) and logs a note saying so, which the plan carries too.
+Neuron PJRT plugin may not implement it) makes the compile the oracle: an error carrying
+XLA's ``RESOURCE_EXHAUSTED`` or neuronx-cc's NCC_EOOM001/NCC_EOOM002 ("exceeds the
+high-bandwidth memory") means over (`out_of_memory`, byte figures kept), a compile that
+succeeds means it fits. `fit` then bisects the frontier predicted from the graphs
+(arguments + outputs - donated state + kept + recomputed reads), at most
+1 + ceil(log2(frontier)) compiles.
+
+Two steps are reported rather than planned: one whose policy changes nothing (full remat
+and every tag saved compile to the same program: `PolicyIgnoredError`), and one whose
+compiled memory does not follow the kept bytes (an unrolled Python loop on XLA:CPU: no
+remat compiles less than `FOLLOW` of its extra kept bytes above full remat). The latter
+gets the least-recompute compiled set that fits and a note saying why it was not
+searched.
 
 When the step has no ``remat2`` equation (no ``jax.checkpoint`` in it, or a transform that
 hides it) the per-layer graph cannot be read; `fit` then raises a ValueError naming what
-it looked for.
+it looked for. `fit_preview` (``neuron-remat fit --dry-run``) compiles full remat only and
+lists the frontier with predicted bytes.
 """
 
 from __future__ import annotations
@@ -67,7 +83,8 @@ from .memory_model import reserve_bytes as _reserve_bytes
 from .planner import Choice, CompiledFit, NoFitError, Plan, Probe, TagDecision
 from .policies import RegexPolicy
 
-__all__ = ["CompiledFit", "LayerBackward", "Probe", "StepGraph", "fit", "fit_table", "step_graph"]
+__all__ = ["CompiledFit", "FitPreview", "LayerBackward", "PolicyIgnoredError", "Probe",
+           "StepGraph", "fit", "fit_preview", "fit_table", "out_of_memory", "step_graph"]
 
 logger = logging.getLogger(__name__)
 
@@ -241,84 +258,167 @@ def _jitted(step: Any) -> Any:
 
 
 # --------------------------------------------------------------------------------------
-# The compiled footprint: probes, the fitted model, the search.
+# A compile: what the backend says about one save set.
 # --------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class _Compiled:
-    bytes: int
+    """One compile. `bytes` is None when the backend cannot report memory (then the
+    compile itself is the oracle: `oom` says whether it ran out)."""
+
+    bytes: int | None
     argument: int
     output: int
     temp: int
     alias: int
     flops: float
     seconds: float
+    oom: bool = False
+    reported: int | None = None  # the largest byte figure an out-of-memory error gave
+    fixed: int | None = None  # arguments + outputs - donated (from the lowering)
+
+    def over(self, limit: int) -> bool:
+        return self.oom or (self.bytes is not None and self.bytes > limit)
 
 
-class _NoMemoryAnalysis(Exception):
-    """The backend compiled the step but cannot say what it allocates."""
+OOM_SIGNALS = ("RESOURCE_EXHAUSTED", "NCC_EOOM001", "NCC_EOOM002",
+               "exceeds the high-bandwidth memory")
+"""What a compile failure says when the program does not fit the device: XLA's status
+code, and neuronx-cc's out-of-memory errors."""
+
+_UNITS = {"b": 1, "bytes": 1, "byte": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def out_of_memory(err: BaseException) -> tuple[bool, int | None]:
+    """Whether a compile error says the program does not fit device memory, and the
+    largest byte figure the message gives (None when it gives none)."""
+    import re  # noqa: PLC0415
+
+    text = f"{type(err).__name__}: {err}"
+    if not any(s.lower() in text.lower() for s in OOM_SIGNALS):
+        return False, None
+    figures = [float(n.replace(",", "")) * _UNITS[u.lower()] for n, u in re.findall(
+        r"(\d[\d,]*(?:\.\d+)?)\s*(bytes|byte|[KMGT]i?B|B)\b", text, flags=re.I)]
+    return True, (int(max(figures)) if figures else None)
+
+
+def _fixed_bytes(lowered: Any, args: Sequence[Any]) -> int | None:
+    """Arguments + outputs - donated arguments: what the step holds whatever the policy,
+    donated state counted once."""
+    try:
+        infos = jax.tree.leaves(lowered.args_info)
+        outs = jax.tree.leaves(lowered.out_info)
+        arg = sum(_aval_bytes(i._aval) for i in infos)  # noqa: SLF001
+        donated = sum(_aval_bytes(i._aval) for i in infos if i.donated)  # noqa: SLF001
+        out = sum(_aval_bytes(o) for o in outs)
+    except Exception:  # noqa: BLE001 - a wrapper without the lowering's metadata
+        return None
+    return arg + out - min(donated, out)
 
 
 def _compile(step: Any, args: Sequence[Any]) -> _Compiled:
     start = time.perf_counter()
-    compiled = _jitted(step).lower(*args).compile()
-    seconds = time.perf_counter() - start
+    lowered = _jitted(step).lower(*args)
+    fixed = _fixed_bytes(lowered, args)
     try:
-        mem = compiled.memory_analysis()
-    except Exception as err:  # noqa: BLE001 - any backend's way of saying "not here"
-        raise _NoMemoryAnalysis(f"{type(err).__name__}: {err}") from err
+        compiled = lowered.compile()
+    except Exception as err:
+        oom, figure = out_of_memory(err)
+        if not oom:
+            raise
+        return _Compiled(None, 0, 0, 0, 0, float("nan"), time.perf_counter() - start,
+                         oom=True, reported=figure, fixed=fixed)
+    seconds = time.perf_counter() - start
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
               "alias_size_in_bytes")
-    if mem is None or not all(hasattr(mem, f) for f in fields):
-        raise _NoMemoryAnalysis(f"memory_analysis() returned {mem!r}")
-    arg, out, temp, alias = (int(getattr(mem, f)) for f in fields)
-    if arg + out + temp <= 0:
-        raise _NoMemoryAnalysis(f"memory_analysis() reports no bytes: {mem!r}")
+    try:
+        mem = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - any backend's way of saying "not here"
+        mem = None
     try:
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         flops = float(cost.get("flops", float("nan"))) if cost else float("nan")
     except Exception:  # noqa: BLE001
         flops = float("nan")
-    return _Compiled(arg + out + temp - alias, arg, out, temp, alias, flops, seconds)
+    if mem is None or not all(hasattr(mem, f) for f in fields):
+        return _Compiled(None, 0, 0, 0, 0, flops, seconds, fixed=fixed)
+    arg, out, temp, alias = (int(getattr(mem, f)) for f in fields)
+    if arg + out + temp <= 0:
+        return _Compiled(None, 0, 0, 0, 0, flops, seconds, fixed=fixed)
+    return _Compiled(arg + out + temp - alias, arg, out, temp, alias, flops, seconds,
+                     fixed=fixed)
+
+
+# --------------------------------------------------------------------------------------
+# The model and the search.
+# --------------------------------------------------------------------------------------
 
 
 @dataclass
 class _Model:
-    """``bytes(S) = intercept + kept(S) + slope x read(S)``, least squares over the
-    compiled tag subsets; `error` the largest miss on them."""
+    """``bytes(S) = intercept + scale x kept(S) + slope x read(S)``: least squares over the
+    compiled sets, `scale` and `slope` pulled towards 1 (`PRIOR_WEIGHT`) so that two or
+    three compiles make a model. `scale` learns what the backend stores per kept byte
+    (XLA:CPU keeps bfloat16 as float32); `error` is the largest miss on the compiles."""
 
     intercept: float
+    scale: float
     slope: float
-    error: float
+    error: float = 0.0
 
     @classmethod
-    def calibrate(cls, points: Sequence[tuple[int, int, int]], prior_slope: float = 1.0
-                  ) -> _Model:
+    def calibrate(cls, points: Sequence[tuple[int, int, int]]) -> _Model:
         """`points`: (compiled bytes, kept bytes, read bytes)."""
-        y = np.array([b - k for b, k, _ in points], float)
-        x = np.array([r for _, _, r in points], float)
-        if len(points) >= 2 and np.ptp(x) > 0:
-            slope, intercept = np.polyfit(x, y, 1)
-            slope = max(float(slope), 0.0)
-            intercept = float(np.mean(y - slope * x))
-        else:
-            slope, intercept = prior_slope, float(np.mean(y - prior_slope * x))
-        error = float(np.max(np.abs(y - intercept - slope * x))) if len(points) else 0.0
-        return cls(intercept, slope, error)
+        y = np.array([b for b, _, _ in points], float)
+        k = np.array([p[1] for p in points], float)
+        r = np.array([p[2] for p in points], float)
+        if len(points) == 1:
+            return cls(float(y[0] - k[0] - r[0]), 1.0, 1.0, 0.0)
+        wk = PRIOR_WEIGHT * max(float(np.ptp(k)), 1.0)
+        wr = PRIOR_WEIGHT * max(float(np.ptp(r)), 1.0)
+        a = np.vstack([np.column_stack([np.ones_like(k), k, r]),
+                       [[0.0, wk, 0.0], [0.0, 0.0, wr]]])
+        t = np.concatenate([y, [wk, wr]])
+        (c0, scale, slope), *_ = np.linalg.lstsq(a, t, rcond=None)
+        scale, slope = float(np.clip(scale, 0.0, 4.0)), float(np.clip(slope, 0.0, 4.0))
+        intercept = float(np.mean(y - scale * k - slope * r))
+        error = float(np.max(np.abs(y - intercept - scale * k - slope * r)))
+        return cls(intercept, scale, slope, error)
 
     def predict(self, kept: int, read: int) -> int:
-        return int(round(self.intercept + kept + self.slope * read))
+        return int(round(self.intercept + self.scale * kept + self.slope * read))
 
 
+# The search's constants, tuned on the zoo's "train" steps only (tests/cpu/zoo.py:
+# gqa4-adamw, wide-ffn-sgd-bf16, long-seq); benchmarks/fit_sweep.py reports the
+# held-out steps apart.
 DEFAULT_BAND = 0.02
-"""A set predicted up to this share of the limit over it is still compiled to check, least
-recompute first: XLA's workspace is not a smooth function of the save set (its buffer
-packing moves by a few MiB when one tag changes)."""
-WIDE_BAND = 0.10
-"""When no set is within `DEFAULT_BAND`, the one predicted closest to fitting, up to this
-share over, gets the next compile (while the budget lasts)."""
+"""The uncertainty of a prediction before any miss is seen, as a share of full remat's
+compiled bytes (``band=``)."""
+PRIOR_WEIGHT = 0.5
+"""How hard the model's per-byte scale and workspace slope are pulled towards 1."""
+WIDEN = 1.5
+"""After a miss (a compile off its prediction by more than the uncertainty) the
+uncertainty becomes the larger of that miss and this multiple of itself."""
+NARROW = 0.7
+"""After a hit the uncertainty shrinks by this factor (down to `FLOOR`)."""
+FLOOR = 0.02
+"""The least uncertainty, as a share of full remat's compiled bytes."""
+PLAUSIBLE = 0.08
+"""A set is worth a compile only when its chance to fit (normal errors of the
+uncertainty's size) is at least this."""
+TAG_RIDGE = 0.5
+"""How hard each tag's share of the misses is pulled towards none (in compiles)."""
+NO_REMAT_SPREAD = 1.5
+"""No remat keeps untagged values too: its uncertainty is this multiple..."""
+UNTAGGED = 0.25
+"""... plus this share of what it keeps beyond the least-recompute save set."""
+FOLLOW = 0.35
+"""Memory follows the kept bytes when no remat compiles at least this share of its extra
+kept bytes above full remat (an unrolled Python loop on XLA:CPU: about 0.13)."""
 
 
 def _max_compiles(n_tags: int) -> int:
@@ -327,123 +427,322 @@ def _max_compiles(n_tags: int) -> int:
 
 @dataclass(frozen=True)
 class _Candidate:
-    saved: tuple[str, ...]
+    saved: tuple[str, ...] | None  # None: no remat
     kept: int
     read: int
     recompute: int
 
 
-def _candidates(graph: StepGraph, tags: Sequence[str]) -> list[_Candidate]:
-    """Every subset of `tags`, least recompute first. Sets with equal kept bytes and
-    recompute stay apart: XLA may lay them out differently (saving ``o_proj`` or ``q_proj``
-    keeps as much and recomputes as much, yet compiles a few MiB apart)."""
+def _candidates(graph: StepGraph, tags: Sequence[str], no_remat: bool = True
+                ) -> list[_Candidate]:
+    """Every subset of `tags` and no remat, least recompute first. Sets with equal kept
+    bytes and recompute stay apart: XLA may lay them out differently."""
     found = []
     for r in range(len(tags) + 1):
         for subset in itertools.combinations(tags, r):
             found.append(_Candidate(subset, graph.kept_bytes(subset), graph.read_bytes(subset),
                                     graph.recompute_flops(subset)))
-    return sorted(found, key=lambda c: (c.recompute, c.kept, len(c.saved), c.saved))
+    if no_remat:
+        found.append(_Candidate(None, graph.no_remat_kept_bytes(), 0, 0))
+    return sorted(found, key=lambda c: (c.recompute, c.kept, len(c.saved or ()) - (
+        c.saved is None) * 1000, c.saved or ()))
+
+
+def _frontier(cands: Sequence[_Candidate], predict: Callable[[_Candidate], float] | None = None
+              ) -> list[_Candidate]:
+    """The Pareto sets by predicted bytes and recompute (none predicted smaller with no
+    more recompute), least recompute first, so most bytes first; full remat always last
+    (the set known to fit when a search starts)."""
+    pred = predict or (lambda c: c.kept + c.read)
+    out: list[_Candidate] = []
+    least = math.inf
+    for c in sorted(cands, key=lambda c: (c.recompute, pred(c))):
+        if pred(c) < least:
+            out.append(c)
+            least = pred(c)
+    full = next(c for c in cands if c.saved == ())
+    if full in out:
+        out.remove(full)
+    return [*out, full]
+
+
+def _phi(z: float) -> float:
+    return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+
+
+class _PolicyIgnored(Exception):
+    pass
 
 
 @dataclass
 class _Search:
-    """The compile-checked walk down the candidates (pure: `measure` compiles)."""
+    """The compile-checked search (pure: `measure` compiles)."""
 
     candidates: list[_Candidate]
-    measure: Callable[[_Candidate, int | None], int]  # (candidate, predicted) -> bytes
+    measure: Callable[[_Candidate, int | None], _Compiled]
     limit: int
     max_compiles: int
     band: float = DEFAULT_BAND
-    no_remat_kept: int | None = None  # what no remat keeps (None: not a candidate)
-    measure_no_remat: Callable[[int], int] | None = None  # (predicted) -> bytes
-    compiled: dict[tuple[str, ...], int] = dataclasses.field(default_factory=dict)
+    stretch: int = 0
+    log: Callable[[str], None] = lambda line: None
+    compiled: dict[Any, _Compiled] = dataclasses.field(default_factory=dict)
+    order: list[Any] = dataclasses.field(default_factory=list)
     model: _Model | None = None
+    sigma: float = 0.0
+    oracle: bool = False
+    stop: str = ""
+    noticed: str = ""
+
+    def __post_init__(self) -> None:
+        self._by = {c.saved: c for c in self.candidates}
+        self._floor = 1.0
+
+    # ---- bookkeeping -----------------------------------------------------------------
+
+    @property
+    def used(self) -> int:
+        return len(self.order)
+
+    def _measure(self, c: _Candidate) -> _Compiled:
+        predicted = self.predict(c) if self.model is not None and not self.oracle else None
+        got = self.measure(c, predicted)
+        self.compiled[c.saved] = got
+        self.order.append(c.saved)
+        if got.bytes is not None and predicted is not None:
+            miss = abs(got.bytes - predicted)
+            if miss > self.sigma:
+                self.sigma = max(miss, WIDEN * self.sigma)
+            else:
+                self.sigma = max(NARROW * self.sigma, self._floor)
+        if got.bytes is not None:
+            self.model = _Model.calibrate(self.points())
+        return got
 
     def points(self) -> list[tuple[int, int, int]]:
-        by = {c.saved: c for c in self.candidates}
-        return [(b, by[s].kept, by[s].read) for s, b in self.compiled.items()]
+        return [(r.bytes, self._by[s].kept, self._by[s].read)
+                for s, r in self.compiled.items() if r.bytes is not None]
 
-    def predict(self, c: _Candidate) -> int:
-        """The model's figure, corrected by the miss on the nearest compiled sets (fewest
-        tags different): XLA's workspace moves by more than the model says when one
-        particular tag is saved, and sets sharing tags share that."""
-        assert self.model is not None
-        base = self.model.predict(c.kept, c.read)
-        misses = []
-        for saved, got in self.compiled.items():
-            d = self._by[saved]
-            misses.append((len(set(saved) ^ set(c.saved)),
-                           got - self.model.predict(d.kept, d.read)))
-        if not misses:
-            return base
-        nearest = min(m[0] for m in misses)
-        near = [m[1] for m in misses if m[0] == nearest]
-        return base + int(round(sum(near) / len(near)))
-
-    def run(self, used: int) -> tuple[Any, int]:
-        """The least-recompute candidate that compiled within the limit (`NO_REMAT` when no
-        remat did, None when nothing did), and the compiles made in all (`used` before).
-
-        After full remat and every tag saved (the calibration), each compile goes to the
-        least-recompute set predicted within `band` of the limit that could beat the best
-        fit so far; when none is, to the one predicted closest to fitting, within
-        `WIDE_BAND`. Each compile recalibrates the model and the corrections."""
-        used = self.start(used)
-        assert self.model is not None
-        if self.no_remat_kept is not None and self.measure_no_remat is not None:
-            # No remat keeps every value a backward reads, untagged ones too; its
-            # workspace is at least the intercept's: an optimistic floor. Compile it when
-            # it might fit; when it does, nothing recomputes less.
-            floor = self.model.predict(self.no_remat_kept, 0)
-            if floor <= self.limit * (1 + WIDE_BAND) and used < self.max_compiles:
-                used += 1
-                if self.measure_no_remat(floor) <= self.limit:
-                    return NO_REMAT, used
-        return self.walk(used)
-
-    def start(self, used: int) -> int:
-        """Compile full remat and every useful tag saved; calibrate on them."""
-        self._by = {c.saved: c for c in self.candidates}
-        for c in (self._by[()], self.candidates[0]):
-            if c.saved not in self.compiled and used < self.max_compiles:
-                self.compiled[c.saved] = self.measure(c, None)
-                used += 1
-        self.model = _Model.calibrate(self.points())
-        return used
-
-    def walk(self, used: int) -> tuple[_Candidate | None, int]:
-        by_flops, last = self.candidates, self.candidates[0]
-        # Refuse only when nothing fits: while nothing has, the budget stretches by one
-        # compile per tag (XLA's workspace can drop by more than one tag keeps).
-        stretch = max(len(c.saved) for c in by_flops)
-        while used < self.max_compiles or (self.best() is None
-                                           and used < self.max_compiles + stretch):
-            best = self.best()
-            if best is not None and best is last:
-                break
-            better = [c for c in by_flops if c.saved not in self.compiled
-                      and (best is None or c.recompute < best.recompute)]
-            if best is None:  # nothing fits yet: the smallest predicted, to refuse only
-                nxt = min(better, key=lambda c: (self.predict(c), c.recompute), default=None)
-                if nxt is None:  # when nothing does
-                    break
-            else:
-                nxt = next((c for c in better
-                            if self.predict(c) <= self.limit * (1 + self.band)), None)
-            if nxt is None:
-                near = [c for c in better if self.predict(c) <= self.limit * (1 + WIDE_BAND)]
-                if not near:
-                    break
-                nxt = min(near, key=lambda c: (self.predict(c), c.recompute))
-            self.compiled[nxt.saved] = self.measure(nxt, self.predict(nxt))
-            used += 1
-            self.model = _Model.calibrate(self.points())
-        return self.best(), used
+    def fits(self, saved: Any) -> bool:
+        r = self.compiled.get(saved)
+        return r is not None and not r.over(self.limit)
 
     def best(self) -> _Candidate | None:
-        fits = [c for c in self.candidates
-                if c.saved in self.compiled and self.compiled[c.saved] <= self.limit]
-        return fits[0] if fits else None
+        return next((c for c in self.candidates if self.fits(c.saved)), None)
+
+    def predict(self, c: _Candidate) -> int:
+        """The model's figure plus each saved tag's share of the misses seen: a ridge
+        fit (`TAG_RIDGE`) of the model's misses on the compiled save sets over which tags
+        each saves. XLA's buffer packing moves with particular tags (saving one may
+        compile smaller than saving none), and sets sharing that tag share it. No remat
+        is corrected by its own compile only."""
+        assert self.model is not None
+        base = self.model.predict(c.kept, c.read)
+        if c.saved is None:
+            got = self.compiled.get(None)
+            if got is not None and got.bytes is not None:
+                return got.bytes
+            return base
+        shares = self._shares()
+        return base + int(round(sum(shares.get(t, 0.0) for t in c.saved)))
+
+    def _shares(self) -> dict[str, float]:
+        assert self.model is not None
+        key = (len(self.compiled), id(self.model))
+        if getattr(self, "_shares_key", None) == key:
+            return self._shares_cache
+        rows = [(s, got.bytes - self.model.predict(self._by[s].kept, self._by[s].read))
+                for s, got in self.compiled.items() if s is not None and got.bytes is not None]
+        tags = sorted({t for s, _ in rows for t in s})
+        shares: dict[str, float] = {}
+        if rows and tags:
+            x = np.array([[1.0] + [float(t in s) for t in tags] for s, _ in rows])
+            y = np.array([r for _, r in rows], float)
+            reg = np.diag([0.0] + [TAG_RIDGE] * len(tags))
+            coef = np.linalg.solve(x.T @ x + reg + 1e-9 * np.eye(len(tags) + 1), x.T @ y)
+            shares = dict(zip(tags, (float(v) for v in coef[1:])))
+        self._shares_key, self._shares_cache = key, shares
+        return shares
+
+    def chance(self, c: _Candidate) -> float:
+        """The chance `c` compiles within the limit, errors normal with the uncertainty."""
+        spread = self.sigma
+        if c.saved is None and None not in self.compiled:
+            # what no remat keeps beyond the tags (norms, softmaxes, activations) the
+            # compiler often fuses away: uncertain in proportion
+            assert self.model is not None
+            spread = NO_REMAT_SPREAD * self.sigma + UNTAGGED * self.model.scale * max(
+                c.kept - self.candidates[0 if self.candidates[0].saved is not None
+                                        else 1].kept, 0)
+        return _phi((self.limit - self.predict(c)) / max(spread, 1.0))
+
+    # ---- the search ------------------------------------------------------------------
+
+    def run(self) -> _Candidate | None:
+        """The least-recompute candidate whose compile fit (None when none did); `stop`
+        says why the search ended."""
+        full = self._by[()]
+        first = self._measure(full)
+        self._floor = FLOOR * (first.bytes or first.reported or self.limit)
+        self.sigma = max(self.band * (first.bytes or self.limit), self._floor)
+        if first.bytes is None and not first.oom:
+            self.oracle = True
+            return self._bisect_oracle()
+        if first.over(self.limit):
+            return self._rescue()
+        # the least-recompute save set (every useful tag): the model's second point
+        every = next((c for c in self.candidates if c.saved is not None), None)
+        if every is not None and every.saved and self.used < self.max_compiles:
+            got = self._measure(every)
+            if got.bytes is None:  # the backend stopped reporting: the compile decides
+                self.oracle = True
+                return self._bisect_oracle()
+            if (got.bytes == first.bytes and got.flops == first.flops
+                    and every.kept != full.kept):
+                raise _PolicyIgnored(
+                    f"full remat and saving {', '.join(every.saved)} compile to the same "
+                    f"program ({fmt_bytes(got.bytes)}, {got.flops / 1e9:.4g} GFLOP)")
+            if not self._follows(full, every):
+                return self.best()
+        return self._walk()
+
+    def _follows(self, full: _Candidate, every: _Candidate) -> bool:
+        """Whether the compiled bytes follow the kept bytes (`noticed` says why not)."""
+        grew = self.compiled[every.saved].bytes - self.compiled[()].bytes  # type: ignore[operator]
+        if grew >= 0.5 * (every.kept - full.kept):
+            return True
+        nr = self._by.get(None)
+        if nr is None or self.used >= self.max_compiles:
+            return True
+        got = self._measure(nr)
+        if got.bytes is None:
+            return True
+        extra = nr.kept - full.kept
+        if extra > 0 and got.bytes - self.compiled[()].bytes < FOLLOW * extra:
+            self.noticed = (
+                f"the compiled step's memory does not follow the kept residuals: no remat "
+                f"keeps {fmt_bytes(extra)} more than full remat but compiles "
+                f"{fmt_bytes(got.bytes - self.compiled[()].bytes)} larger, and saving every "
+                f"tag {fmt_bytes(grew)} (the compiler schedules the layers its own way, as "
+                "XLA:CPU does an unrolled Python loop); the search was not run: the plan is "
+                "the least-recompute of the compiled sets that fit")
+            self.stop = "memory does not follow the kept bytes"
+            self.log(f"fit: {self.noticed}")
+            return False
+        return True
+
+    def _walk(self) -> _Candidate | None:
+        walk_overs = 0
+        while True:
+            best = self.best()
+            if best is None:
+                self.stop = "nothing compiled fits"
+                return None
+            if best is self.candidates[0]:
+                self.stop = "the best compiled set fits and nothing recomputes less"
+                return best
+            if self.used >= self.max_compiles:
+                self.stop = f"the budget of {self.max_compiles} compiles is spent"
+                return best
+            better = [c for c in self.candidates
+                      if c.saved not in self.compiled and c.recompute < best.recompute]
+            if not better:
+                self.stop = "every set that recomputes less was compiled"
+                return best
+            last = self.used == self.max_compiles - 1
+            cautious = last and best.saved == ()
+            choice = None
+            if walk_overs >= 2:  # the walk stalls: bisect the predicted frontier
+                choice = self._frontier_midpoint(better)
+                if choice is not None and cautious and self.chance(choice) < 0.5:
+                    choice = None
+            if choice is None:
+                scored = []
+                for c in better:
+                    p = self.chance(c)
+                    if p < PLAUSIBLE or (cautious and p < 0.5):
+                        continue
+                    scored.append((p * (best.recompute - c.recompute), p, -c.recompute, c))
+                if not scored:
+                    self.stop = (f"no set that recomputes less than the best compiled one "
+                                 f"is plausibly within the limit (uncertainty "
+                                 f"{fmt_bytes(int(self.sigma))}"
+                                 + (", the last compile kept for a likely fit" if cautious
+                                    else "") + ")")
+                    return best
+                choice = max(scored, key=lambda s: s[:3])[3]
+            got = self._measure(choice)
+            walk_overs = walk_overs + 1 if got.over(self.limit) else 0
+
+    def _frontier_midpoint(self, better: Sequence[_Candidate]) -> _Candidate | None:
+        front = _frontier(self.candidates, self.predict)
+        idx = {c.saved: i for i, c in enumerate(front)}
+        lo = min((idx[s] for s in self.compiled if s in idx and self.fits(s)),
+                 default=len(front) - 1)
+        hi = max((idx[s] for s in self.compiled if s in idx and not self.fits(s)
+                  and idx[s] < lo), default=-1)
+        todo = {c.saved for c in better}
+        between = [i for i in range(hi + 1, lo) if front[i].saved in todo]
+        if not between:
+            return None
+        mid = (hi + lo) / 2
+        return front[min(between, key=lambda i: (abs(i - mid), i))]
+
+    def _bisect_oracle(self) -> _Candidate | None:
+        """No memory figures: bisect the predicted frontier with the compile as the
+        oracle (fits or runs out of memory)."""
+        front = _frontier(self.candidates)
+        cap = 1 + math.ceil(math.log2(max(len(front) - 1, 1))) + (len(front) > 1)
+        self.max_compiles = min(self.max_compiles, cap) if self.max_compiles else cap
+        self.log(f"fit: the backend reports no memory figures; the compile is the oracle. "
+                 f"Bisecting a predicted frontier of {len(front)} save sets: at most "
+                 f"{self.max_compiles} compiles in all")
+        lo, hi = len(front) - 1, -1  # front[lo] fits (full remat); front[hi] does not
+        while lo - hi > 1 and self.used < self.max_compiles:
+            mid = (lo + hi) // 2 if hi >= 0 else (lo - 1) // 2
+            c = front[mid]
+            got = self._measure(c)
+            if len(self.compiled) == 2 and not got.oom and got.flops == self.compiled[()].flops \
+                    and c.kept != self._by[()].kept:
+                raise _PolicyIgnored(f"full remat and {_what(c.saved)} compile to the same "
+                                     f"FLOPs ({got.flops / 1e9:.4g} GFLOP)")
+            if got.over(self.limit):
+                hi = mid
+            else:
+                lo = mid
+        self.stop = ("bisection converged" if lo - hi <= 1
+                     else f"the budget of {self.max_compiles} compiles is spent")
+        return front[lo]
+
+    def _rescue(self) -> _Candidate | None:
+        """Full remat does not fit: before refusing, compile the sets predicted smallest
+        (XLA's workspace can drop by more than a tag keeps), one per tag at most."""
+        if self.compiled[()].bytes is not None:
+            self.model = _Model.calibrate(self.points())
+        else:
+            self.model = _Model(float(self.compiled[()].fixed or 0), 1.0, 1.0)
+        tries = self.max_compiles - self.used + self.stretch
+        for _ in range(max(tries, 0)):
+            left = [c for c in self.candidates if c.saved not in self.compiled]
+            if not left:
+                break
+            c = min(left, key=lambda c: (self.predict(c), c.recompute))
+            got = self._measure(c)
+            if got.over(self.limit):
+                continue
+            if got.bytes is None:  # the compile is the oracle: no walk on figures
+                self.oracle = True
+                break
+            # one fits: recompute less if a compile or two can
+            return self._walk()
+        best = self.best()
+        self.stop = ("full remat does not fit; a set predicted smaller does" if best
+                     else "full remat does not fit, nor the sets predicted smallest")
+        return best
+
+
+def _what(saved: tuple[str, ...] | None) -> str:
+    return NO_REMAT if saved is None else ("save " + ", ".join(saved) if saved else
+                                           "full remat")
 
 
 # --------------------------------------------------------------------------------------
@@ -452,6 +751,59 @@ class _Search:
 
 _OPTIONS = ("candidates", "max_compiles", "progress", "band", "runner_ups", "per_layer",
             "max_sets")
+
+
+def _check_options(plan_options: dict[str, Any], n_tags: int) -> tuple[int | None, float]:
+    unknown = sorted(set(plan_options) - set(_OPTIONS))
+    if unknown:
+        raise TypeError(f"fit() got unknown options {unknown}; valid: {', '.join(_OPTIONS)}")
+    mc = plan_options.get("max_compiles")
+    if mc is not None:
+        if isinstance(mc, bool) or not isinstance(mc, (int, np.integer)) or mc < 3:
+            raise ValueError(f"max_compiles={mc!r}: give an int of at least 3 (full remat, "
+                             "every tag saved, one more)")
+        mc = int(mc)
+    band = plan_options.get("band", DEFAULT_BAND)
+    if isinstance(band, bool) or not isinstance(band, (int, float)) or not math.isfinite(
+            band) or band < 0 or band > 1:
+        raise ValueError(f"band={band!r}: give the prediction uncertainty as a share of "
+                         "full remat's bytes, a finite number in [0, 1]")
+    ru = plan_options.get("runner_ups", 3)
+    if isinstance(ru, bool) or not isinstance(ru, int) or ru < 0:
+        raise ValueError(f"runner_ups={ru!r}: give an int >= 0")
+    del n_tags
+    return mc, float(band)
+
+
+def _setup(make_step: Callable[[Any], Any], args: Sequence[Any], device: DeviceSpec | None,
+           reserve: float | int | None, plan_options: dict[str, Any]) -> tuple[Any, ...]:
+    max_compiles, band = _check_options(plan_options, 0)
+    if device is None:
+        from .device import detect  # noqa: PLC0415
+
+        device = detect()
+    hbm = device.hbm_bytes_per_core
+    if not hbm:
+        raise ValueError(f"device {device.family!r} has no HBM figure; pass device= (e.g. "
+                         "parse_device('trn2.48xlarge:hbm=64MiB:cores=1')) or set "
+                         "NEURON_REMAT_DEVICE")
+    held = _fit_reserve(device, reserve)
+    limit = hbm - held
+    if limit <= 0:
+        raise ValueError(f"reserve={reserve!r} holds back {fmt_bytes(held)}, all of the "
+                         f"{fmt_bytes(hbm)} per core")
+    graph = step_graph(make_step, *args)
+    tags = _pool(graph, plan_options.get("candidates"))
+    return device, hbm, held, limit, graph, tags, max_compiles, band
+
+
+def _policy(saved: tuple[str, ...] | None) -> Any:
+    """The JAX policy of a save set: what `fit` compiles and what the plan carries."""
+    import re  # noqa: PLC0415
+
+    if saved is None:
+        return jax.checkpoint_policies.everything_saveable
+    return RegexPolicy([re.escape(t) for t in saved])
 
 
 def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None = None,
@@ -470,17 +822,20 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
             only the Neuron runtime's share on a full-size device: the compiled figure
             already holds the step's temporaries.
         **plan_options: ``candidates`` (tags to consider), ``max_compiles`` (default 6 up
-            to 8 tags), ``progress`` (called with one line per compile), ``band`` (share
-            of the limit a prediction may exceed and still be compiled to check; 0.05),
-            ``runner_ups`` (how many to list; 3).
+            to 8 tags; at least 3), ``progress`` (called with one line per compile and
+            the search's plan and end), ``band`` (the uncertainty of a prediction before
+            any compile has missed, a share of full remat's bytes; 0.02), ``runner_ups``
+            (how many to list; 3).
 
-    Returns a `Plan` whose `Plan.compiled` holds the confirmed step's compiled bytes and
-    FLOPs, the number of compiles and each probe. The compiled bytes of the returned
-    plan are at most ``HBM per core - reserve`` (measured, unless the backend has no
-    ``memory_analysis()``: then the note says the figure is a prediction).
+    Returns a `Plan` whose `Plan.policy` is exactly what was compiled (no remat:
+    ``jax.checkpoint_policies.everything_saveable``) and whose `Plan.compiled` holds that
+    compile's bytes and FLOPs, the number of compiles and each probe. The compiled bytes
+    are at most ``HBM per core - reserve``. On a backend without ``memory_analysis()``
+    the compile is the oracle (an out-of-memory error: over), `Plan.compiled.measured` is
+    False and its bytes are the model's.
 
     Raises `NoFitError` (with the numbers) when no compiled save set fits, and ValueError
-    when the step has no checkpointed layer or an option is wrong.
+    when the step has no checkpointed layer, ignores its policy, or an option is wrong.
     """
     if plan_options.get("per_layer"):  # the uniform fit, then a compiled mix (fit_per_layer)
         options = {k: v for k, v in plan_options.items() if k not in ("per_layer", "max_sets")}
@@ -490,83 +845,76 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
                              progress=plan_options.get("progress"))
     plan_options.pop("per_layer", None)
     plan_options.pop("max_sets", None)
-    unknown = sorted(set(plan_options) - set(_OPTIONS))
-    if unknown:
-        raise TypeError(f"fit() got unknown options {unknown}; valid: {', '.join(_OPTIONS)}")
     progress = plan_options.get("progress") or (lambda line: logger.info("%s", line))
-    if device is None:
-        from .device import detect  # noqa: PLC0415
-
-        device = detect()
-    hbm = device.hbm_bytes_per_core
-    if not hbm:
-        raise ValueError(f"device {device.family!r} has no HBM figure; pass device= (e.g. "
-                         "parse_device('trn2.48xlarge:hbm=64MiB:cores=1')) or set "
-                         "NEURON_REMAT_DEVICE")
-    held = _fit_reserve(device, reserve)
-    limit = hbm - held
-    if limit <= 0:
-        raise ValueError(f"reserve={reserve!r} holds back {fmt_bytes(held)}, all of the "
-                         f"{fmt_bytes(hbm)} per core")
-
-    graph = step_graph(make_step, *args)
-    tags = _pool(graph, plan_options.get("candidates"))
-    max_compiles = int(plan_options.get("max_compiles") or _max_compiles(len(tags)))
-    if max_compiles < 3:
-        raise ValueError(f"max_compiles={max_compiles}: fit needs at least 3 (no remat, "
-                         "full remat, every tag saved)")
-    band = float(plan_options.get("band", DEFAULT_BAND))
+    device, hbm, held, limit, graph, tags, max_compiles, band = _setup(
+        make_step, args, device, reserve, plan_options)
     cands = _candidates(graph, tags)
+    budget = max_compiles or _max_compiles(len(tags))
+    stretch = len(tags)
     probes: list[Probe] = []
-    jax_policies: dict[tuple[str, ...] | None, Any] = {}
+    results: dict[Any, _Compiled] = {}
+    progress(f"fit: {len(tags)} candidate tags, {len(cands)} save sets (no remat "
+             f"included); at most {budget} compiles ({budget + stretch} if full remat does "
+             f"not fit; a backend without memory_analysis() bisects instead: at most "
+             f"{1 + math.ceil(math.log2(max(len(_frontier(cands)), 2)))})")
 
-    def compile_one(label: str, saved: tuple[str, ...] | None,
-                    predicted: int | None) -> _Compiled:
-        policy = (jax.checkpoint_policies.everything_saveable if saved is None
-                  else save_only_these_names(*saved))
-        jax_policies[saved] = policy
-        what = NO_REMAT if saved is None else (", ".join(saved) or "nothing")
-        progress(f"compile {len(probes) + 1}: {label} (save {what}) ...")
-        c = _compile(make_step(policy), args)
-        probes.append(Probe(label, saved, c.bytes, c.argument, c.output, c.temp, c.alias,
-                            c.flops, c.seconds, predicted))
-        progress(f"compile {len(probes)}: {fmt_bytes(c.bytes)} "
-                 f"({'fits' if c.bytes <= limit else 'over'} {fmt_bytes(limit)}), "
-                 f"{c.flops / 1e9:.4g} GFLOP, {c.seconds:.1f} s")
-        return c
+    def measure(c: _Candidate, predicted: int | None) -> _Compiled:
+        label = ("full remat" if c.saved == () else NO_REMAT if c.saved is None
+                 else "every tag saved" if not probes[1:] and len(c.saved) == len(tags)
+                 else "search")
+        progress(f"compile {len(probes) + 1}: {label} ({_what(c.saved)}) ...")
+        r = _compile(make_step(_policy(c.saved)), args)
+        results[c.saved] = r
+        probes.append(Probe(label, c.saved, r.bytes if r.bytes is not None else -1,
+                            r.argument, r.output, r.temp, r.alias, r.flops, r.seconds,
+                            predicted, out_of_memory=r.oom, reported_bytes=r.reported))
+        if r.bytes is not None:
+            said = f"{fmt_bytes(r.bytes)} ({'fits' if r.bytes <= limit else 'over'} " \
+                   f"{fmt_bytes(limit)})"
+        else:
+            said = ("out of memory" + (f" ({fmt_bytes(r.reported)} reported)"
+                                       if r.reported else "")) if r.oom else "compiled"
+        progress(f"compile {len(probes)}: {said}, {r.flops / 1e9:.4g} GFLOP, "
+                 f"{r.seconds:.1f} s")
+        return r
 
-    def measure(c: _Candidate, predicted: int | None) -> int:
-        label = ("full remat" if not c.saved else "every tag saved" if c is cands[0]
-                 else "confirm")
-        return compile_one(label, c.saved, predicted).bytes
-
-    def measure_no_remat(predicted: int) -> int:
-        return compile_one("no remat", None, predicted).bytes
-
-    search = _Search(cands, measure, limit, max_compiles, band,
-                     no_remat_kept=graph.no_remat_kept_bytes(), measure_no_remat=measure_no_remat)
+    search = _Search(cands, measure, limit, budget, band, stretch, progress)
     try:
-        best, _ = search.run(0)
-    except _NoMemoryAnalysis as err:
-        probes.append(Probe("full remat (no memory_analysis)", (), 0, 0, 0, 0, 0,
-                            float("nan"), 0.0))
-        return _analytic_fallback(graph, cands, device, hbm, held, limit, str(err), tags,
-                                  probes, make_step(save_only_these_names()), args,
-                                  plan_options)
-    model = search.model
-    assert model is not None
-    if best is NO_REMAT:
-        p = probes[-1]
-        return _make_plan(graph, None, cands, device, hbm, held, limit, probes, model, tags,
-                          _Compiled(p.bytes, p.argument_bytes, p.output_bytes, p.temp_bytes,
-                                    p.alias_bytes, p.flops, p.seconds), plan_options)
+        best = search.run()
+    except _PolicyIgnored as err:
+        raise PolicyIgnoredError(
+            f"make_step ignores its policy: {err}. Pass the policy fit gives to "
+            "jax.checkpoint(layer, policy=policy) in each layer; fit cannot plan a step "
+            "that does not use it") from None
+    progress(f"fit: stopped after {search.used} compiles: {search.stop}")
+    logger.info("neuron_remat.fit: stopped after %d compiles: %s", search.used, search.stop)
     if best is None:
-        raise NoFitError(_no_fit(probes, limit, hbm, held))
-    chosen = next(p for p in reversed(probes) if p.saved == best.saved)
-    compiled = _Compiled(chosen.bytes, chosen.argument_bytes, chosen.output_bytes,
-                         chosen.temp_bytes, chosen.alias_bytes, chosen.flops, chosen.seconds)
-    return _make_plan(graph, best, cands, device, hbm, held, limit, probes, model, tags,
-                      compiled, plan_options)
+        raise NoFitError(_no_fit(probes, limit, hbm, held, search.oracle))
+    r = results[best.saved]
+    notes = [f"search: {search.stop}"]
+    if search.noticed:
+        notes.append(search.noticed)
+    measured = r.bytes is not None
+    if search.oracle:
+        fixed = results[()].fixed
+        model = _Model(float(fixed if fixed is not None else 0), 1.0, 1.0)
+        notes.append("this backend reports no memory figures (memory_analysis()); the "
+                     "compile was the oracle (an out-of-memory error: over). The plan's "
+                     "bytes are the uncalibrated prediction (arguments + outputs - donated "
+                     "+ kept residuals + one layer's recomputed reads); the compiler "
+                     "checks the device's whole HBM, not the reserve")
+        logger.warning("neuron_remat.fit: %s", notes[-1])
+        r = dataclasses.replace(r, bytes=model.predict(best.kept, best.read))
+    else:
+        model = search.model or _Model(0.0, 1.0, 1.0)
+    return _make_plan(graph, best, cands, device, hbm, held, limit, probes, model, tags, r,
+                      plan_options, measured=measured, extra_notes=notes,
+                      over={s for s, c in results.items() if c.over(limit)})
+
+
+class PolicyIgnoredError(ValueError):
+    """`make_step` does not pass its policy to ``jax.checkpoint``: every compile is the
+    same program, so there is nothing to plan."""
 
 
 def _fit_reserve(device: DeviceSpec, reserve: float | int | None) -> int:
@@ -575,6 +923,9 @@ def _fit_reserve(device: DeviceSpec, reserve: float | int | None) -> int:
 
         full = _reserve_bytes(device, None)
         return full - int(DEFAULT_RESERVE_FRACTION * device.hbm_bytes_per_core)
+    if isinstance(reserve, float) and not math.isfinite(reserve):
+        raise ValueError(f"reserve={reserve!r}: give a fraction of HBM in [0, 1) as a float, "
+                         "or bytes as an int")
     return _reserve_bytes(device, reserve)
 
 
@@ -600,9 +951,16 @@ def _pool(graph: StepGraph, candidates: Iterable[str] | None) -> tuple[str, ...]
                  or most < graph.recompute_flops(tuple(o for o in everything if o != t)))
 
 
-def _no_fit(probes: Sequence[Probe], limit: int, hbm: int, held: int) -> str:
-    tried = "; ".join(f"{p.label} {fmt_bytes(p.bytes)}" for p in probes)
-    least = min(probes, key=lambda p: p.bytes)
+def _no_fit(probes: Sequence[Probe], limit: int, hbm: int, held: int,
+            oracle: bool = False) -> str:
+    tried = "; ".join(f"{p.label} " + ("out of memory" if p.out_of_memory else
+                                       fmt_bytes(p.bytes)) for p in probes)
+    if oracle or all(p.bytes < 0 for p in probes):
+        return (f"no compiled save set fits {fmt_bytes(limit)} (HBM {fmt_bytes(hbm)} per "
+                f"core - reserve {fmt_bytes(held)}): the compiler ran out of memory on "
+                f"each. Compiled: {tried}. To fit: shard the state further, lower the "
+                "micro-batch or the sequence length, or give the step more memory.")
+    least = min((p for p in probes if p.bytes >= 0), key=lambda p: p.bytes)
     return (f"no compiled save set fits {fmt_bytes(limit)} (HBM {fmt_bytes(hbm)} per core - "
             f"reserve {fmt_bytes(held)}): the smallest compiled step, {least.label}, takes "
             f"{fmt_bytes(least.bytes)}, {fmt_bytes(least.bytes - limit)} over. Compiled: "
@@ -610,22 +968,20 @@ def _no_fit(probes: Sequence[Probe], limit: int, hbm: int, held: int) -> str:
             "sequence length, or give the step more memory.")
 
 
-def _make_plan(graph: StepGraph, best: _Candidate | None, cands: Sequence[_Candidate],
+def _make_plan(graph: StepGraph, best: _Candidate, cands: Sequence[_Candidate],
                device: DeviceSpec, hbm: int, held: int, limit: int,
                probes: Sequence[Probe], model: _Model, tags: Sequence[str],
                compiled: _Compiled, options: dict[str, Any], measured: bool = True,
-               extra_notes: Sequence[str] = ()) -> Plan:
-    import re  # noqa: PLC0415
-
+               extra_notes: Sequence[str] = (), over: set[Any] | None = None) -> Plan:
     layers = graph.count
     notes = list(extra_notes)
-    if best is None:  # no remat
-        saved = tuple(tags)
-        kept = recompute = read = 0
+    no_remat = best.saved is None
+    if no_remat:
+        saved = tuple(graph.tags)
+        kept, recompute, read = best.kept, 0, 0
         notes.append(f"no remat fits: the step without remat compiles to "
-                     f"{fmt_bytes(compiled.bytes)} <= {fmt_bytes(limit)}; use "
-                     "jax.checkpoint_policies.everything_saveable or drop jax.checkpoint "
-                     "(the policy below, every tag, still recomputes untagged values)")
+                     f"{fmt_bytes(compiled.bytes or 0)} <= {fmt_bytes(limit)}; the policy is "
+                     "jax.checkpoint_policies.everything_saveable")
         workspace = 0
     else:
         saved, kept, recompute, read = best.saved, best.kept, best.recompute, best.read
@@ -635,28 +991,29 @@ def _make_plan(graph: StepGraph, best: _Candidate | None, cands: Sequence[_Candi
     for t in graph.tags:
         k1, f1 = graph.kept_bytes((t,)), graph.recompute_flops((t,))
         extra, gain = (k1 - base[0]) // layers, (base[1] - f1) / layers
-        if t not in tags:
+        if t not in tags and not no_remat:
             reason = ("saving it saves no recompute" if f1 >= base[1]
                       else "not a candidate")
         elif t in saved:
-            reason = "no remat" if best is None else "saved: least recompute that fits"
+            reason = "no remat" if no_remat else "saved: least recompute that fits"
         else:
             reason = "a save set without it fits with less recompute, or with it none fits"
         decisions.append(TagDecision(t, t in saved, max(extra, 0), max(float(gain), 0.0),
                                      reason))
-    fits = {p.saved for p in probes if p.bytes <= limit}
-    over = {p.saved for p in probes if p.bytes > limit}
+    over = over or set()
+    fits = {p.saved for p in probes if p.saved not in over}
     runner = [Choice(c.saved, c.kept // layers, c.recompute / layers) for c in cands
-              if best is not None and c is not best and c.recompute >= best.recompute
+              if c.saved is not None and c is not best and c.recompute >= best.recompute
               and c.saved not in over
               and (c.saved in fits or model.predict(c.kept, c.read) <= limit)]
     runner = runner[:int(options.get("runner_ups", 3))]
-    measured_probes = [p for p in probes if p.saved is not None]
-    error = max((abs(p.bytes - model.predict(*_kr(cands, p.saved))) for p in measured_probes
-                 if _kr(cands, p.saved) is not None), default=0)
+    by = {c.saved: c for c in cands}
+    error = max((abs(p.bytes - model.predict(by[p.saved].kept, by[p.saved].read))
+                 for p in probes if p.saved in by and p.bytes >= 0), default=0) \
+        if measured else 0
     record = CompiledFit(
-        hbm_bytes=hbm, reserve_bytes=held, limit_bytes=limit, bytes=compiled.bytes,
-        flops=compiled.flops, no_remat=best is None, compiles=len(probes),
+        hbm_bytes=hbm, reserve_bytes=held, limit_bytes=limit, bytes=int(compiled.bytes or 0),
+        flops=compiled.flops, no_remat=no_remat, compiles=len(probes),
         probes=tuple(probes), fixed_bytes=int(round(model.intercept)),
         workspace_slope=model.slope, workspace_bytes=workspace,
         workspace_error_bytes=int(error), layers=layers,
@@ -664,47 +1021,80 @@ def _make_plan(graph: StepGraph, best: _Candidate | None, cands: Sequence[_Candi
         measured=measured)
     fwd = graph.no_remat_flops / 3 / layers
     return Plan(
-        policy=RegexPolicy([re.escape(t) for t in saved]), saved_tags=tuple(saved),
+        policy=_policy(best.saved), saved_tags=tuple(saved),
         kept_bytes_per_layer=kept // layers,
-        budget_bytes_per_layer=(kept + max(limit - compiled.bytes, 0)) // layers,
+        budget_bytes_per_layer=(kept + max(limit - int(compiled.bytes or 0), 0)) // layers,
         recompute_flops_per_layer=recompute / layers, decisions=tuple(decisions),
         runner_ups=tuple(runner), layers_per_core=layers, inflight=1, device=device,
         forward_flops_per_layer=fwd, notes=tuple(notes), compiled=record)
 
 
-def _kr(cands: Sequence[_Candidate], saved: tuple[str, ...] | None) -> tuple[int, int] | None:
-    for c in cands:
-        if c.saved == saved:
-            return c.kept, c.read
-    return None
+# --------------------------------------------------------------------------------------
+# The dry run: what fit would compile.
+# --------------------------------------------------------------------------------------
 
 
-def _analytic_fallback(graph: StepGraph, cands: Sequence[_Candidate], device: DeviceSpec,
-                       hbm: int, held: int, limit: int, why: str, tags: Sequence[str],
-                       probes: Sequence[Probe], step: Any, args: Sequence[Any],
-                       options: dict[str, Any]) -> Plan:
-    """No ``memory_analysis()``: plan from the traced graph with an uncalibrated model
-    (fixed = the arguments and outputs, no aliasing assumed; workspace = one layer's
-    recomputed reads, slope 1)."""
-    note = (f"this backend cannot report a compiled step's memory (memory_analysis(): "
-            f"{why}); planned from the traced graph instead: arguments + outputs + kept "
-            "residuals + one layer's recomputed reads, uncalibrated")
-    logger.warning("neuron_remat.fit: %s", note)
-    outs = jax.eval_shape(_jitted(step), *args)
-    fixed = sum(_aval_bytes(a) for a in jax.tree.leaves((tuple(args), outs)))
-    model = _Model(float(fixed), 1.0, 0.0)
-    best = next((c for c in cands if model.predict(c.kept, c.read) <= limit), None)
-    if best is None:
-        nothing = next(c for c in cands if not c.saved)
-        raise NoFitError(
-            f"{note}. Even full remat is predicted at "
-            f"{fmt_bytes(model.predict(nothing.kept, nothing.read))}, over the "
-            f"{fmt_bytes(limit)} limit (HBM {fmt_bytes(hbm)} - reserve {fmt_bytes(held)})")
-    predicted = model.predict(best.kept, best.read)
-    flops = float(graph.no_remat_flops + best.recompute)
-    return _make_plan(graph, best, cands, device, hbm, held, limit, probes, model, tags,
-                      _Compiled(predicted, 0, 0, 0, 0, flops, 0.0), options,
-                      measured=False, extra_notes=(note,))
+@dataclass(frozen=True)
+class FitPreview:
+    """What `fit` would do, having compiled full remat only: the predicted frontier (the
+    Pareto save sets by predicted bytes and recompute, least recompute first), each with
+    its predicted bytes, and the compile budget."""
+
+    limit_bytes: int
+    full_remat: Probe
+    tags: tuple[str, ...]
+    candidates: tuple[tuple[tuple[str, ...] | None, int, float], ...]  # saved, bytes, FLOPs
+    max_compiles: int
+    measured: bool
+    step_flops: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"limit_bytes": self.limit_bytes, "tags": list(self.tags),
+                "max_compiles": self.max_compiles, "measured": self.measured,
+                "full_remat": dataclasses.asdict(self.full_remat),
+                "candidates": [{"saved": None if s is None else list(s),
+                                "no_remat": s is None, "predicted_bytes": b,
+                                "recompute_flops": f} for s, b, f in self.candidates]}
+
+    def table(self) -> str:
+        rows = [("save", "predicted", "fits?", "recompute")]
+        for s, b, f in self.candidates:
+            rows.append((_what(s), fmt_bytes(b), "yes" if b <= self.limit_bytes else "no",
+                         f"{100 * f / self.step_flops:.2f}%" if self.step_flops else "-"))
+        lines = grid(rows)
+        fr = self.full_remat
+        lines.append("")
+        lines.append(
+            f"dry run: full remat compiled to "
+            + (fmt_bytes(fr.bytes) if self.measured else "(no memory figures)")
+            + f" of {fmt_bytes(self.limit_bytes)}; fit would make at most "
+            f"{self.max_compiles} compiles among these {len(self.candidates)} sets "
+            "(predictions calibrated on full remat alone)")
+        return "\n".join(lines)
+
+
+def fit_preview(make_step: Callable[[Any], Any], *args: Any,
+                device: DeviceSpec | None = None, reserve: float | int | None = None,
+                **plan_options: Any) -> FitPreview:
+    """`fit`'s dry run: compile full remat only, and list the save sets fit would choose
+    its compiles among (the predicted frontier), with their predicted bytes."""
+    device, hbm, held, limit, graph, tags, max_compiles, _ = _setup(
+        make_step, args, device, reserve, plan_options)
+    cands = _candidates(graph, tags)
+    full = next(c for c in cands if c.saved == ())
+    r = _compile(make_step(_policy(())), args)
+    measured = r.bytes is not None
+    base = r.bytes if measured else (r.fixed or 0) + full.kept + full.read
+    model = _Model(float(base - full.kept - full.read), 1.0, 1.0)
+    front = _frontier(cands, lambda c: model.predict(c.kept, c.read))
+    probe = Probe("full remat", (), r.bytes if measured else -1, r.argument, r.output,
+                  r.temp, r.alias, r.flops, r.seconds, None, out_of_memory=r.oom,
+                  reported_bytes=r.reported)
+    budget = max_compiles or (_max_compiles(len(tags)) if measured else
+                              1 + math.ceil(math.log2(max(len(front), 2))))
+    return FitPreview(limit, probe, tuple(tags),
+                      tuple((c.saved, model.predict(c.kept, c.read), float(c.recompute))
+                            for c in front), budget, measured, float(graph.no_remat_flops))
 
 
 def fit_table(plan: Plan) -> str:
@@ -715,10 +1105,13 @@ def fit_table(plan: Plan) -> str:
     rows = [("#", "compiled", "save", "bytes", "predicted", "fits", "GFLOP", "seconds")]
     for i, p in enumerate(rec.probes, 1):
         what = NO_REMAT if p.saved is None else tag_list(p.saved, width=48)
-        rows.append((str(i), p.label, what, fmt_bytes(p.bytes) if rec.measured else "-",
+        shown = ("out of memory" if p.out_of_memory else fmt_bytes(p.bytes) if p.bytes >= 0
+                 else "-")
+        fits = ("no" if p.out_of_memory else "yes" if p.bytes < 0 else
+                "yes" if p.bytes <= rec.limit_bytes else "no")
+        rows.append((str(i), p.label, what, shown,
                      fmt_bytes(p.predicted_bytes) if p.predicted_bytes is not None else "-",
-                     ("yes" if p.bytes <= rec.limit_bytes else "no") if rec.measured else "-",
-                     f"{p.flops / 1e9:.4g}", f"{p.seconds:.1f}"))
+                     fits, f"{p.flops / 1e9:.4g}", f"{p.seconds:.1f}"))
     lines = grid(rows)
     lines.append("")
     chosen = NO_REMAT if rec.no_remat else f"save {tag_list(plan.saved_tags)}"
@@ -771,6 +1164,8 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
 
     if rec is None or not rec.measured:
         return keep("per-layer plan: not tried (no compiled calibration)")
+    if rec.no_remat:
+        return uniform  # nothing recomputes less
     if len(graph.layers) != 1:
         return keep(f"per-layer plan: not tried ({len(graph.layers)} kinds of checkpointed "
                     "layer; one scanned stack is supported)")
@@ -797,23 +1192,30 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
             return dataclasses.replace(uniform, layer_mix=mix, layer_policies=None)
         say(f"compile {len(probes) + 1}: per-layer mix " + "; ".join(
             f"{m.layers} x {list(m.tags)}" for m in mix) + " ...")
-        try:
-            c = _compile(make_step(per), args)
-        except _NoMemoryAnalysis:
+        c = _compile(make_step(per), args)
+        if c.bytes is None and not c.oom:
             return keep("per-layer plan: the backend has no memory_analysis(); not confirmed")
-        probes.append(Probe("per-layer mix", None, c.bytes, c.argument, c.output, c.temp,
-                            c.alias, c.flops, c.seconds))
-        say(f"compile {len(probes)}: {fmt_bytes(c.bytes)} "
-            f"({'fits' if c.bytes <= rec.limit_bytes else 'over'} "
-            f"{fmt_bytes(rec.limit_bytes)}), {c.flops / 1e9:.4g} GFLOP")
+        probes.append(Probe("per-layer mix", None, c.bytes if c.bytes is not None else -1,
+                            c.argument, c.output, c.temp, c.alias, c.flops, c.seconds,
+                            out_of_memory=c.oom, reported_bytes=c.reported))
+        say(f"compile {len(probes)}: " + ("out of memory" if c.oom else
+            f"{fmt_bytes(c.bytes)} ({'fits' if not c.over(rec.limit_bytes) else 'over'} "
+            f"{fmt_bytes(rec.limit_bytes)}), {c.flops / 1e9:.4g} GFLOP"))
         record = dataclasses.replace(rec, probes=tuple(probes), compiles=len(probes))
-        if c.bytes <= rec.limit_bytes:
+        if not c.over(rec.limit_bytes):
+            # The plan's compiled figures are the mixed step's, the one it hands out.
+            record = dataclasses.replace(
+                record, bytes=c.bytes if c.bytes is not None else record.bytes,
+                flops=c.flops, recompute_flops=c.flops - (rec.flops - rec.recompute_flops))
             return dataclasses.replace(
                 uniform, layer_mix=mix, layer_policies=per, compiled=record,
                 notes=(*uniform.notes, f"per-layer mix compiled to {fmt_bytes(c.bytes)} "
                        f"<= {fmt_bytes(rec.limit_bytes)} limit"))
+        if c.bytes is None:  # out of memory, no figure: nothing to lower the capacity by
+            break
         margin += c.bytes - rec.limit_bytes
         uniform = dataclasses.replace(uniform, compiled=record)
         rec = record
-    return keep(f"per-layer plan: the compiled mix did not fit ({fmt_bytes(c.bytes)} > "
+    over = "out of memory" if c.bytes is None else f"{fmt_bytes(c.bytes)} >"
+    return keep(f"per-layer plan: the compiled mix did not fit ({over} "
                 f"{fmt_bytes(rec.limit_bytes)}); the uniform plan stands")

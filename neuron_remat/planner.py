@@ -42,8 +42,9 @@ class NoFitError(ValueError):
 class Probe:
     """One compile of the training step (`fit`): what XLA allocated and computed.
 
-    `bytes` is ``argument + output + temp - alias`` from ``memory_analysis()``; `saved` is
-    None for no remat. `predicted_bytes` is what the fitted model said before this compile
+    `bytes` is ``argument + output + temp - alias`` from ``memory_analysis()`` (-1 when the
+    backend reports none: then the compile is the oracle, `out_of_memory` its answer);
+    `saved` is None for no remat. `predicted_bytes` is what the fitted model said before this compile
     (None for the probes it was fitted on)."""
 
     label: str
@@ -56,6 +57,8 @@ class Probe:
     flops: float
     seconds: float
     predicted_bytes: int | None = None
+    out_of_memory: bool = False  # the compile failed for want of device memory
+    reported_bytes: int | None = None  # the byte figure that failure gave, if any
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,7 @@ class Plan:
     the policy says (its input).
     """
 
-    policy: RegexPolicy
+    policy: RegexPolicy | Callable[..., Any]  # fit's no remat: everything_saveable
     saved_tags: tuple[str, ...]
     kept_bytes_per_layer: int
     budget_bytes_per_layer: int
@@ -272,7 +275,8 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "policy": self.policy.to_dict(),
+            "policy": (self.policy.to_dict() if hasattr(self.policy, "to_dict")
+                       else {"jax": getattr(self.policy, "__name__", repr(self.policy))}),
             "saved_tags": list(self.saved_tags),
             "kept_bytes_per_layer": self.kept_bytes_per_layer,
             "budget_bytes_per_layer": self.budget_bytes_per_layer,
@@ -365,7 +369,8 @@ class Plan:
         lines.extend(_mix_lines(self))
         lines.extend(f"note: {n}" for n in self.notes)
         lines.append(f"policy: {self.policy!r}")
-        lines.append(f"regex:  {self.policy.save_regex or '(save nothing)'}")
+        if hasattr(self.policy, "save_regex"):
+            lines.append(f"regex:  {self.policy.save_regex or '(save nothing)'}")
         how, line = self.paste()
         lines.append(f"# {how}:")
         lines.append(line)
@@ -406,7 +411,12 @@ class Plan:
         """(where it goes, the line to paste) for the host whose tags were planned:
         axlearn's ``remat_spec`` assignment, MaxText's ``remat_policy=custom`` keys, or a
         ``jax.checkpoint`` call (also what Flax's ``nn.remat`` and Equinox's
-        ``filter_checkpoint`` take as ``policy=``)."""
+        ``filter_checkpoint`` take as ``policy=``). A plan whose policy is no remat (fit's,
+        when the whole step fits without it) says so."""
+        if not hasattr(self.policy, "save_regex"):
+            return ("no remat: the step fits without recomputing anything",
+                    "layer = jax.checkpoint(layer, "
+                    "policy=jax.checkpoint_policies.everything_saveable)  # or no checkpoint")
         regex = self.policy.save_regex
         if self.host == "axlearn":
             from .policies import remat3_ignores_closures  # noqa: PLC0415
