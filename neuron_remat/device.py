@@ -243,14 +243,11 @@ class DeviceSpec:
         return out
 
     def describe(self) -> str:
-        where = self.instance_type or self.family
-        lnc = f", LNC={self.lnc}" if self.lnc else ""
-        hbm = f"{self.hbm_bytes_per_core / GiB:.4g} GiB"
-        unverified = " (unverified figures)" if not self.verified else ""
-        return (
-            f"{where}{lnc}: {self.cores} cores visible, {self.cores_per_chip} per chip, "
-            f"{hbm} HBM per core{unverified} [source: {self.source}]"
-        )
+        """One line for this device (what `detect`, `plan`, `fit` and the plugin's logs
+        print)."""
+        from ._format import describe_device  # noqa: PLC0415 - _format imports this module
+
+        return describe_device(self)
 
 
 # --------------------------------------------------------------------------------------

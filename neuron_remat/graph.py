@@ -515,13 +515,13 @@ class Footprint(dict):  # dict[str, TagCost]
         if self.graph is not None:
             kept_bytes, flops = self.graph.cost_of_roles(self.roles[t] for t in chosen)
             return kept_bytes, float(flops)
-        full = self.full_recompute_flops
-        if full is None:
-            full = sum(c.recompute_flops for c in self.values() if not c.always_kept)
         kept = self.always_kept_bytes + sum(
             self[t].bytes for t in chosen if not self[t].always_kept)
-        return kept, full - sum(self[t].recompute_flops for t in chosen
-                                if not self[t].always_kept)
+        if self.full_recompute_flops is None:  # what the unsaved tags recompute, summed
+            return kept, math.fsum(c.recompute_flops for t, c in self.items()
+                                   if not c.always_kept and t not in chosen)
+        avoided = math.fsum(self[t].recompute_flops for t in chosen if not self[t].always_kept)
+        return kept, max(0.0, self.full_recompute_flops - avoided)  # never below 0 by rounding
 
     @property
     def groups(self) -> tuple[TagGroup, ...]:
