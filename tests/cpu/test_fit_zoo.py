@@ -91,6 +91,7 @@ def test_a_step_that_ignores_the_policy_is_reported():
         nr.fit(spec.make_step(), *spec.abstract_args(), device=_device(1 << 30), reserve=0)
 
 
+@pytest.mark.slow  # about 20 s: run by CI's slow step
 def test_memory_that_does_not_follow_the_kept_bytes_is_noticed():
     """An unrolled Python loop on XLA:CPU keeps about the same memory whatever the
     policy: fit says so and does not search."""

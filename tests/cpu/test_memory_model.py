@@ -131,7 +131,8 @@ def _compiled(policy, layers, what):
 
 
 @pytest.mark.parametrize("name", [pytest.param("full", marks=pytest.mark.slow),  # longest
-                                  "trn2-fuji-70b", "native-attention", "every-tag"])
+                                  pytest.param("trn2-fuji-70b", marks=pytest.mark.slow),
+                                  "native-attention", "every-tag"])
 def test_per_layer_bytes_equal_the_compiled_temp_slope(graph, name):
     # Scanning L layers, XLA allocates the saved residuals of every layer: temp bytes grow
     # by exactly the kept bytes per layer (the slope is fitted over L = 4, 8, 16; XLA's

@@ -218,6 +218,7 @@ def fused_compiled(fused_fp):
     return {frozenset(s): _step_flops(True, s) - base for s in _subsets(cands)}
 
 
+@pytest.mark.slow  # about 35 s (every subset compiled): run by CI's slow step
 def test_recompute_flops_match_compiled_steps_fused_qkv(fused_fp, fused_compiled):
     for subset, measured in fused_compiled.items():
         _assert_flops_close(fused_fp, tuple(subset), measured, True)
