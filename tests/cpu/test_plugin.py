@@ -267,21 +267,26 @@ def _remat_prevent_cse(fn, *args):
 
 
 def test_the_adapters_honour_a_providers_prevent_cse(cse_provider, monkeypatch, caplog):
-    import flax.linen as nn
+    import jax
     import jax.numpy as jnp
-    from flax import nnx
-
-    from neuron_remat.adapters.flax import nnx_remat
-    from neuron_remat.adapters.flax import remat as linen_remat
 
     monkeypatch.setenv("NEURON_REMAT_DEVICE", "cpu")
     x = jnp.ones((4, 4))
     body = lambda v: jnp.sin(v) @ v  # noqa: E731
+    if not _remat_prevent_cse(jax.checkpoint(body, prevent_cse=False), x):
+        pytest.skip("this remat implementation (jax_remat3) records no prevent_cse")
     # Unrolled layers default to prevent_cse=True; the provider says False, and JAX gets it.
     assert _remat_prevent_cse(nr.checkpoint(body, layer="cse"), x) == [False]
     assert _remat_prevent_cse(nr.checkpoint(body, layer="other"), x) == [True]
     assert _remat_prevent_cse(nr.checkpoint(body, layer="cse", prevent_cse=True), x) == [True]
     assert nr.checkpoint(body, layer="cse").prevent_cse is False
+
+    pytest.importorskip("flax", reason="the Flax adapters need flax (the test extra)")
+    import flax.linen as nn
+    from flax import nnx
+
+    from neuron_remat.adapters.flax import nnx_remat
+    from neuron_remat.adapters.flax import remat as linen_remat
 
     class Lin(nnx.Module):
         def __init__(self):
