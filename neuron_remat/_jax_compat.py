@@ -1,6 +1,6 @@
 """Every JAX name outside JAX's public API that neuron_remat relies on, in one place.
 
-Tested with JAX 0.7.2, 0.8.3 and 0.10.2 (CI runs ``tests/cpu/test_trace*.py`` on each, and
+Tested with JAX 0.7.2, 0.8.3, 0.10.2 and 0.12.0.1 (CI runs ``tests/cpu/test_trace*.py`` on each, and
 under ``JAX_REMAT3=true``). Each name below says why no public one serves, and what happens
 on a JAX without it. Public names are used wherever JAX has one:
 ``jax.checkpoint_policies.save_only_these_names`` (not ``jax._src.ad_checkpoint``),
@@ -30,7 +30,7 @@ from jax.extend import core as jex_core
 
 __all__ = ["CHECKPOINT_NAME", "ClosedJaxpr", "Jaxpr", "Literal", "NAME_PRIMITIVE", "Var",
            "is_name_primitive", "name_p", "policy_class", "save_only_these_names",
-           "saved_residuals", "shard_map"]
+           "saved_residuals", "scan_counts", "shard_map"]
 
 name_p: Any = _ad_checkpoint.name_p
 NAME_PRIMITIVE = str(name_p)
@@ -57,3 +57,18 @@ def is_name_primitive(prim: Any) -> bool:
 def policy_class(name: str) -> Any:
     """A policy class of JAX >= 0.9 (``"SaveOnlyTheseNames"``, ...), or None."""
     return getattr(_ad_checkpoint, name, None)
+
+
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """(consts, carry) leading operands of a ``scan`` equation. JAX <= 0.11 records them as
+    ``num_consts`` and ``num_carry``; JAX 0.12 records a flat tree ``ft_in`` of (consts,
+    carry, xs) instead, whose first two parts are counted (``jax._src.flattree``, private:
+    reached only through the equation's own parameter)."""
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    try:
+        consts, carry = params["ft_in"].elts[:2]
+        return len(consts.vals), len(carry.vals)
+    except (KeyError, AttributeError, ValueError, TypeError) as err:
+        raise TypeError(f"a scan equation with parameters {sorted(params)}: neither "
+                        "num_consts/num_carry nor ft_in (JAX 0.7-0.12 spell them so)") from err

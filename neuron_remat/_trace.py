@@ -434,7 +434,7 @@ def _unknown_outs(jaxpr: Any, unknown_in: Sequence[bool]) -> list[bool]:
             outs = _unknown_outs(inner[0], ins)  # a call: output by output
         elif prim == "scan":
             body = eqn.params["jaxpr"].jaxpr
-            nc, nk = int(eqn.params["num_consts"]), int(eqn.params["num_carry"])
+            nc, nk = jc.scan_counts(eqn.params)
             carry = ins[nc:nc + nk]
             while True:
                 outs = _unknown_outs(body, [*ins[:nc], *carry, *ins[nc + nk:]])
@@ -594,7 +594,7 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
              lead: tuple[int, ...]) -> None:
         closed = eqn.params["jaxpr"]
         body = closed.jaxpr if isinstance(closed, jc.ClosedJaxpr) else closed
-        nc, nk = int(eqn.params["num_consts"]), int(eqn.params["num_carry"])
+        nc, nk = jc.scan_counts(eqn.params)
         length = int(eqn.params["length"])
         inner_lead = (*lead, length)
         is_unk = [n is not None and n in unk for n in ins]
