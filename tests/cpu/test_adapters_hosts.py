@@ -101,8 +101,11 @@ class Traceable:
     args: tuple[Any, ...]
 
     def residuals(self) -> list[tuple[str, str]]:
-        """(aval, JAX's description) of every residual kept for the backward."""
-        return [(aval.str_short(), desc) for aval, desc in saved_residuals(self.fn, *self.args)]
+        """(aval, JAX's description) of every residual kept for the backward. An argument is
+        "from the argument" whatever JAX calls it: remat3 names it from the signature it
+        sees (``x``, or ``args[0]`` through a wrapper), which is not what is compared."""
+        return [(aval.str_short(), re.sub(r"^from the argument .*", "from the argument", desc))
+                for aval, desc in saved_residuals(self.fn, *self.args)]
 
     def saved_tags(self) -> set[str]:
         return named(self.residuals())
