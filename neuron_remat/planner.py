@@ -629,6 +629,11 @@ def plan(
     leaves it free.
     """
     _check_plan_numbers(budget_bytes, min_flops_per_byte, runner_ups, reserve)
+    for name, value, what in (("layers", layers, "layers sharing the budget"),
+                              ("max_sets", max_sets, "distinct save sets in a per-layer plan")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"{name}={value!r}: give a positive int ({what}) or None")
     notes: list[str] = []
     bud: mm.Budget | None = None
     par: models.Parallelism | None = None
@@ -659,10 +664,6 @@ def plan(
         if per_layer_mix and layers is None:
             raise ValueError("plan(footprint=..., per_layer=True) needs layers= (how many "
                              "layers share layers x budget_bytes)")
-        if layers is not None and (isinstance(layers, bool) or not isinstance(layers, int)
-                                   or layers < 1):
-            raise ValueError(f"layers={layers!r}: give a positive int (layers sharing the "
-                             "budget)")
         layers, inflight = (layers or 1), 1
     obj, rts = _resolve_objective(objective, rates, device, fp)
     cost_fp = fp if obj == "flops" else _timed_footprint(fp, rts)
@@ -762,10 +763,6 @@ def plan(
 
             def cap_for(tags: tuple[str, ...]) -> int:
                 return fixed
-        if max_sets is not None and (isinstance(max_sets, bool) or not isinstance(
-                max_sets, int) or max_sets < 1):
-            raise ValueError(f"max_sets={max_sets!r}: give a positive int (distinct save "
-                             "sets in a per-layer plan) or None")
         mix, layer_policies, rounded = _layer_mix(fp, cost_fp, obj, usable, layers, cap_for,
                                                   best, names, patterns, max_sets)
         if rounded:
