@@ -753,7 +753,8 @@ _OPTIONS = ("candidates", "max_compiles", "progress", "band", "runner_ups", "per
             "max_sets")
 
 
-def _check_options(plan_options: dict[str, Any], n_tags: int) -> tuple[int | None, float]:
+def _check_options(plan_options: dict[str, Any]) -> tuple[int | None, float]:
+    """fit's options: unknown ones refused; (max_compiles or None, band), each checked."""
     unknown = sorted(set(plan_options) - set(_OPTIONS))
     if unknown:
         raise TypeError(f"fit() got unknown options {unknown}; valid: {', '.join(_OPTIONS)}")
@@ -771,13 +772,12 @@ def _check_options(plan_options: dict[str, Any], n_tags: int) -> tuple[int | Non
     ru = plan_options.get("runner_ups", 3)
     if isinstance(ru, bool) or not isinstance(ru, int) or ru < 0:
         raise ValueError(f"runner_ups={ru!r}: give an int >= 0")
-    del n_tags
     return mc, float(band)
 
 
 def _setup(make_step: Callable[[Any], Any], args: Sequence[Any], device: DeviceSpec | None,
            reserve: float | int | None, plan_options: dict[str, Any]) -> tuple[Any, ...]:
-    max_compiles, band = _check_options(plan_options, 0)
+    max_compiles, band = _check_options(plan_options)
     if device is None:
         from .device import detect  # noqa: PLC0415
 
