@@ -291,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         sys.path.insert(0, str(C.REPO))  # this checkout's neuron_remat
     import neuron_remat as nr  # noqa: PLC0415, F401
 
-    F = importlib.import_module("neuron_remat.fit")
+    F = importlib.import_module("neuron_remat._fit")
     import logging  # noqa: PLC0415
 
     logging.getLogger("neuron_remat.fit").setLevel(logging.ERROR)  # one note per fit

@@ -290,7 +290,7 @@ def planner_rows(bench: Bench, budget_list: Sequence[int], traced: nr.Footprint 
         if fp is None:
             continue
         for b in budget_list:
-            p = nr.plan(footprint=fp, budget_bytes=b)
+            p = nr.plan_footprint(footprint=fp, budget_bytes=b)
             roles = bench.regex_roles(p.policy)
             label = "planner" if group == "planner" else "planner (traced)"
             rows.append(Row(f"{label} @ {C.kib(b)} KiB", group, p.policy,
@@ -412,7 +412,7 @@ def measure_fused(size: C.Size, layers: int, options: dict[str, Any], args: Any
     plans, plan_ms = [], []
     for b in sorted(set(budget_list) | set(specials.values())):
         t = time.perf_counter()
-        p = nr.plan(footprint=fp, budget_bytes=b)
+        p = nr.plan_footprint(footprint=fp, budget_bytes=b)
         plan_ms.append(1e3 * (time.perf_counter() - t))
         plans.append((b, p))
     rows = []

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from neuron_remat import _trace, models
 from neuron_remat import policies as pol
 from neuron_remat import reference as ref
-from neuron_remat.audit import audit
+from neuron_remat._audit import audit
 
 # The layer of tests/cpu/test_policies.py, and the scanned stack of test_memory_model.py
 # (XLA counts a scan body once, so the stack's FLOPs are one layer's).

@@ -8,7 +8,7 @@ is compiled with `neuron_remat.scan_layers`:
 2. uniform plans (full remat, every tag) and the per-layer plan (at most two sets: two
    scans; the cost of a second scan measured and reserved) at memory limits between
    them: the limit comes from the compiled uniform steps (the intercept of compiled bytes
-   against the traced kept bytes), the plan from ``plan(footprint=..., per_layer=True)``;
+   against the traced kept bytes), the plan from ``plan_footprint(..., per_layer=True)``;
    each mixed step is compiled for its bytes (rolled scans) and FLOPs (``unroll=True``:
    XLA:CPU counts a rolled scan's body once). Reported: whether it fits, its measured
    recompute against the best uniform set that fits, and the predicted margin.
@@ -122,7 +122,7 @@ def main() -> None:
         limit = uni["full"]["bytes"] + frac * (uni["every"]["bytes"] - uni["full"]["bytes"])
         budget = int((limit - fixed - max(split, 0)) / slope / L)
         try:
-            plan = nr.plan(footprint=fp, budget_bytes=budget, layers=L, per_layer=True,
+            plan = nr.plan_footprint(footprint=fp, budget_bytes=budget, layers=L, per_layer=True,
                            objective="flops")
         except nr.NoFitError:
             print(f"limit {limit / 2**20:.2f} MiB: nothing fits once the second scan's "

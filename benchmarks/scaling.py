@@ -7,7 +7,7 @@
 * `audit()` of a stack of N tiny reference layers (hidden 32, 2 heads over 1 KV head, ffn
   64, seq 16), unrolled (one Python-level layer per layer: the trace grows with N) and in
   ``lax.scan`` (one body: it should not), under axlearn's TRN2 preset.
-* `plan(footprint=..., budget_bytes=...)` on a synthetic additive footprint of 4..24 tags
+* `plan_footprint(..., budget_bytes=...)` on a synthetic additive footprint of 4..24 tags
   (random bytes and FLOP/byte, budget 40% of all bytes, three seeds per count): every
   subset is enumerated up to 12 tags, branch and bound beyond. Each answer is checked
   against a brute-force optimum (numpy, up to 20 tags).
@@ -123,9 +123,9 @@ def plan_vs_tags(counts: Sequence[int], repeat: int, check_up_to: int) -> list[d
         times, gaps = [], []
         for seed in range(3):
             fp, budget, nbytes, flops = _synthetic(tags, seed)
-            p = nr.plan(footprint=fp, budget_bytes=budget)
+            p = nr.plan_footprint(footprint=fp, budget_bytes=budget)
             times.append(C.median_time(
-                lambda fp=fp, b=budget: nr.plan(footprint=fp, budget_bytes=b), repeat))
+                lambda fp=fp, b=budget: nr.plan_footprint(footprint=fp, budget_bytes=b), repeat))
             if tags <= check_up_to:
                 best = _brute_force(nbytes, flops, budget)
                 gaps.append((p.recompute_flops_per_layer - best) / max(best, 1.0))
@@ -184,9 +184,9 @@ def traced_speed(sizes: Sequence[tuple[int, C.Size]], repeat: int) -> list[dict[
         high, _ = fp.evaluate(list(fp))
         budget = (low + high) // 2
         t = time.perf_counter()
-        p = nr.plan(footprint=fp, budget_bytes=budget, min_flops_per_byte=0)
+        p = nr.plan_footprint(footprint=fp, budget_bytes=budget, min_flops_per_byte=0)
         first = time.perf_counter() - t
-        warm = C.median_time(lambda: nr.plan(footprint=fp, budget_bytes=budget,
+        warm = C.median_time(lambda: nr.plan_footprint(footprint=fp, budget_bytes=budget,
                                              min_flops_per_byte=0), repeat)
         out.append({"tags": tags, "size": size.to_dict(), "ops": len(fp.graph.ops),
                     "footprint_s": statistics.median(times), "plan_first_ms": 1e3 * first,
@@ -229,7 +229,7 @@ def report(res: dict[str, Any]) -> str:
         f"growth: unrolled ~ layers^{f['audit_unrolled_vs_layers_exponent']:.2f}, "
         f"scan ~ layers^{f['audit_scan_vs_layers_exponent']:.2f}",
         "",
-        "plan(footprint=...) vs candidate tags (synthetic additive footprint, median of 3 seeds)",
+        "plan_footprint(...) vs candidate tags (synthetic additive footprint, median of 3 seeds)",
         C.table([(r["tags"], r["method"], f"{r['ms']:.3f}",
                   "-" if r["max_relative_gap_to_brute_force"] is None
                   else f"{r['max_relative_gap_to_brute_force']:.1e}")

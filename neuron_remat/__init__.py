@@ -11,20 +11,19 @@ Nothing here touches hardware or starts JAX's backends at import time.
 """
 
 import importlib
-import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the names below, for type checkers; at run time each loads on first use
     from ._trace import traced_footprint
-    from .audit import AuditReport, audit
+    from ._audit import AuditReport, audit
     from .device import DeviceSpec, detect, from_instance_type, parse_device
-    from .fit import fit, fit_per_layer, fit_table
+    from ._fit import CompiledFit, Probe, fit, fit_per_layer, fit_table
     from .memory_model import (Budget, Footprint, TagCost, budget, layer_footprint,
                                model_state_bytes)
     from .models import (AXLEARN_TAGS, MAXTEXT_TAGS, MODELS, Parallelism, StepShape,
                          TagNames, TransformerConfig, from_hf_config, get_model)
     from .multihost import PolicyMismatchError
-    from .planner import CompiledFit, LayerMix, NoFitError, Plan, Probe, plan
+    from .planner import LayerMix, NoFitError, Plan, plan, plan_footprint
     from .plugin import RematChoice, checkpoint, provide, resolve_policy
     from .policies import PRESETS, RegexPolicy, preset, save_and_offload_only_these_names_regex
     from .stack import scan_layers
@@ -33,10 +32,10 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time each loads 
 # package, and the CLI's `--help`, `detect` and `models`, never import JAX.
 _EXPORTS = {
     "traced_footprint": "_trace",
-    "AuditReport": "audit", "audit": "audit",
+    "AuditReport": "_audit", "audit": "_audit",
     "DeviceSpec": "device", "detect": "device", "from_instance_type": "device",
     "parse_device": "device",
-    "fit": "fit", "fit_per_layer": "fit", "fit_table": "fit",
+    "fit": "_fit", "fit_per_layer": "_fit", "fit_table": "_fit",
     "Budget": "memory_model", "Footprint": "memory_model", "TagCost": "memory_model",
     "budget": "memory_model", "layer_footprint": "memory_model",
     "model_state_bytes": "memory_model",
@@ -44,9 +43,9 @@ _EXPORTS = {
     "Parallelism": "models", "StepShape": "models", "TagNames": "models",
     "TransformerConfig": "models", "from_hf_config": "models", "get_model": "models",
     "PolicyMismatchError": "multihost",
-    "CompiledFit": "planner", "LayerMix": "planner", "NoFitError": "planner",
-    "Plan": "planner", "Probe": "planner",
-    "plan": "planner",
+    "CompiledFit": "_fit", "Probe": "_fit",
+    "LayerMix": "planner", "NoFitError": "planner", "Plan": "planner",
+    "plan": "planner", "plan_footprint": "planner",
     "RematChoice": "plugin", "checkpoint": "plugin", "provide": "plugin",
     "resolve_policy": "plugin",
     "PRESETS": "policies", "RegexPolicy": "policies", "preset": "policies",
@@ -68,22 +67,6 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-class _Package(types.ModuleType):
-    """`audit` and `fit` are both functions and the modules that define them: importing the
-    module (`from neuron_remat import audit` inside the package, or a submodule import) must
-    leave the package's `audit` the function, as an eager import would."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if _EXPORTS.get(name) == name and isinstance(value, types.ModuleType):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-import sys as _sys  # noqa: E402
-
-_sys.modules[__name__].__class__ = _Package
-del _sys
-
 __version__ = "0.1.0"
 
 __all__ = [
@@ -92,7 +75,8 @@ __all__ = [
     "PolicyMismatchError", "Probe", "RegexPolicy", "RematChoice", "StepShape", "TagCost",
     "TagNames", "TransformerConfig", "audit", "budget", "checkpoint", "detect", "fit",
     "fit_table", "from_hf_config", "from_instance_type", "get_model", "layer_footprint",
-    "model_state_bytes", "parse_device", "plan", "preset", "provide", "resolve_policy",
+    "model_state_bytes", "parse_device", "plan", "plan_footprint", "preset", "provide",
+    "resolve_policy",
     "scan_layers", "fit_per_layer", "LayerMix",
     "save_and_offload_only_these_names_regex", "traced_footprint",
 ]

@@ -18,19 +18,30 @@ Private names:
 * ``jax._src.ad_checkpoint.SaveOnlyTheseNames``, ``SaveAnyNamesButThese``,
   ``DotsSaveable``: the policy classes of JAX >= 0.9 (policies are plain functions before);
   None where absent.
+* ``jax._src.ad_checkpoint.CheckpointName.remat``: its signature says whether this JAX's
+  remat3 asks any callable policy (``remat3_rule_params``); empty where absent.
+* ``jax._src.config.remat3``: the context manager behind ``jax_remat3`` (``remat3_off``);
+  a no-op on versions without the flag.
+* ``jax._src.distributed.global_state``: the process id, count and key-value client of
+  ``jax.distributed.initialize`` (``distributed_state``; stable from JAX 0.4). Imported on
+  call only, so that the multi-host agreement never imports JAX itself.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import contextlib
+import inspect
+
 import jax
 from jax._src import ad_checkpoint as _ad_checkpoint  # private: see the module docstring
 from jax.extend import core as jex_core
 
 __all__ = ["CHECKPOINT_NAME", "ClosedJaxpr", "Jaxpr", "Literal", "NAME_PRIMITIVE", "Var",
-           "is_name_primitive", "name_p", "policy_class", "save_only_these_names",
-           "saved_residuals", "scan_counts", "shard_map"]
+           "distributed_state", "everything_saveable", "is_name_primitive", "name_p",
+           "nothing_saveable", "policy_class", "remat3_off", "remat3_rule_params",
+           "save_only_these_names", "saved_residuals", "scan_counts", "shard_map"]
 
 name_p: Any = _ad_checkpoint.name_p
 NAME_PRIMITIVE = str(name_p)
@@ -43,6 +54,8 @@ Literal = jex_core.Literal
 Var = jex_core.Var
 
 save_only_these_names = jax.checkpoint_policies.save_only_these_names  # public
+everything_saveable = jax.checkpoint_policies.everything_saveable  # public
+nothing_saveable = jax.checkpoint_policies.nothing_saveable  # public
 
 # jax.shard_map is public from JAX 0.7; the experimental module before (and a deprecated
 # alias after). Only tests and examples call it; the package recognises its primitive by name.
@@ -57,6 +70,32 @@ def is_name_primitive(prim: Any) -> bool:
 def policy_class(name: str) -> Any:
     """A policy class of JAX >= 0.9 (``"SaveOnlyTheseNames"``, ...), or None."""
     return getattr(_ad_checkpoint, name, None)
+
+
+def remat3_rule_params() -> list[str]:
+    """The parameter names of the tag primitive's remat3 rule; [] where this JAX has none."""
+    try:
+        return list(inspect.signature(CHECKPOINT_NAME.remat).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return []
+
+
+def remat3_off() -> Any:
+    """A context with ``jax_remat3`` off (a no-op on JAX versions without the flag)."""
+    from jax._src import config as jax_config  # noqa: PLC0415  private: see the docstring
+
+    state = getattr(jax_config, "remat3", None)
+    return state(False) if state is not None else contextlib.nullcontext()
+
+
+def distributed_state() -> Any:
+    """``jax.distributed``'s global state object (process_id, num_processes, client), or None
+    where this JAX has no such module."""
+    try:
+        from jax._src import distributed  # noqa: PLC0415  private: see the docstring
+    except ImportError:
+        return None
+    return getattr(distributed, "global_state", None)
 
 
 def scan_counts(params: dict[str, Any]) -> tuple[int, int]:

@@ -357,7 +357,7 @@ def _load_factory(spec: str) -> Any:
 
 def _cmd_audit(args: argparse.Namespace) -> int:
     from . import policies  # noqa: PLC0415 - JAX: only for the commands that trace
-    from .audit import LayerError, audit as run_audit  # noqa: PLC0415
+    from ._audit import LayerError, audit as run_audit  # noqa: PLC0415
 
     if args.policy and (args.save or args.offload):
         raise UsageError("give --policy or --save/--offload, not both")
@@ -394,7 +394,7 @@ def _band(text: str) -> float:
 
 def _cmd_fit(args: argparse.Namespace) -> int:
     from . import planner  # noqa: PLC0415
-    from .fit import fit, fit_preview, fit_table  # noqa: PLC0415 - traces and compiles
+    from ._fit import fit, fit_preview, fit_table  # noqa: PLC0415 - traces and compiles
 
     make_step, fargs = _load_factory(args.target)
     device, note = _device_for_plan(args.device)

@@ -142,11 +142,11 @@ def _distributed() -> tuple[int, int, Any] | None:
     started by ``jax.distributed.initialize()``; None otherwise. Starts no backend."""
     if "jax" not in sys.modules:
         return None
-    try:
-        from jax._src import distributed  # noqa: PLC0415  stable from JAX 0.4 to 0.10
-    except ImportError:
+    from ._jax_compat import distributed_state  # noqa: PLC0415  imports JAX, loaded above
+
+    state = distributed_state()
+    if state is None:
         return None
-    state = distributed.global_state
     count = getattr(state, "num_processes", 1) or 1
     client = getattr(state, "client", None)
     if count <= 1 or client is None:

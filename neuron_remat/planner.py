@@ -22,8 +22,9 @@ from .device import DeviceSpec, EngineRates, engine_rates
 from .graph import PICOSECONDS, timed_graph
 from .policies import RegexPolicy
 
-__all__ = ["OBJECTIVES", "Choice", "CompiledFit", "GroupDecision", "LayerMix", "NoFitError",
-           "Plan", "Probe", "TagDecision", "dead_patterns", "plan", "refuse_dead_patterns"]
+__all__ = ["OBJECTIVES", "Choice", "GroupDecision", "LayerMix", "NoFitError",
+           "Plan", "TagDecision", "dead_patterns", "plan", "plan_footprint",
+           "refuse_dead_patterns"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,64 +37,6 @@ layer."""
 
 class NoFitError(ValueError):
     """Even full recompute does not fit the budget."""
-
-
-@dataclass(frozen=True)
-class Probe:
-    """One compile of the training step (`fit`): what XLA allocated and computed.
-
-    `bytes` is ``argument + output + temp - alias`` from ``memory_analysis()`` (-1 when the
-    backend reports none: then the compile is the oracle, `out_of_memory` its answer);
-    `saved` is None for no remat. `predicted_bytes` is what the fitted model said before this compile
-    (None for the probes it was fitted on)."""
-
-    label: str
-    saved: tuple[str, ...] | None
-    bytes: int
-    argument_bytes: int
-    output_bytes: int
-    temp_bytes: int
-    alias_bytes: int
-    flops: float
-    seconds: float
-    predicted_bytes: int | None = None
-    out_of_memory: bool = False  # the compile failed for want of device memory
-    reported_bytes: int | None = None  # the byte figure that failure gave, if any
-
-
-@dataclass(frozen=True)
-class CompiledFit:
-    """What `fit` learned from compiling the step, and the confirmed choice.
-
-    The model: ``bytes(S) = fixed_bytes + kept(S) + workspace_slope x read(S)``, kept(S)
-    the residuals of every layer, read(S) the bytes one layer's backward reads that S
-    recomputes (`workspace_bytes` for the choice); `fixed_bytes` is the fitted intercept:
-    the state and the step's policy-independent temporaries, less what the slope's line
-    over-counts at read(S) = 0 (it can be negative). `workspace_error_bytes` is the model's largest
-    miss on the compiles made (before the per-tag corrections). `measured` is False when
-    the backend had no ``memory_analysis()`` and `bytes` is the uncalibrated model's."""
-
-    hbm_bytes: int
-    reserve_bytes: int
-    limit_bytes: int
-    bytes: int
-    flops: float
-    no_remat: bool
-    compiles: int
-    probes: tuple[Probe, ...]
-    fixed_bytes: int
-    workspace_slope: float
-    workspace_bytes: int
-    workspace_error_bytes: int
-    layers: int
-    step_flops: float
-    recompute_flops: float
-    measured: bool = True
-
-    @property
-    def overhead(self) -> float:
-        """Recompute as a fraction of the step without remat (every layer counted)."""
-        return self.recompute_flops / self.step_flops if self.step_flops else float("nan")
 
 
 @dataclass(frozen=True)
@@ -180,7 +123,9 @@ class Plan:
     no_remat_bytes_per_layer: int = 0
     notes: tuple[str, ...] = ()
     groups: tuple[GroupDecision, ...] = ()
-    compiled: CompiledFit | None = None  # set by `fit`: the compiled step's figures
+    # set by `fit`: its `CompiledFit` (the compiled step's figures; the planner never reads
+    # it, so the type lives with `fit`)
+    compiled: Any = None
     # objective="time": what the plan minimised and its figures (`OBJECTIVES`)
     objective: str = "flops"
     rates: EngineRates | None = None
@@ -587,9 +532,80 @@ def plan(
     parallelism: models.Parallelism | None = None,
     candidates: Iterable[str] | None = None,
     *,
-    footprint: Mapping[str, Any] | None = None,
     budget_bytes: int | None = None,
     reserve: float | int | None = None,
+    min_flops_per_byte: float = DEFAULT_MIN_FLOPS_PER_BYTE,
+    runner_ups: int = 3,
+    objective: str | None = None,
+    rates: EngineRates | str | None = None,
+    per_layer: bool = False,
+    max_sets: int | None = 2,
+) -> Plan:
+    """Choose the tags a described model's layers save: the set that fits the budget with
+    the least recompute.
+
+    `config` and `shape` describe the model and one step; `parallelism` how it is split
+    (default: `Parallelism()` resolved on the device); `device` is detected when None. The
+    budget is what one layer may keep on one core once the state, the reserve (`reserve`,
+    a fraction of HBM or bytes) and the step's workspace are held (`memory_model.budget`);
+    `budget_bytes` overrides it. For a footprint you measured or traced, use
+    `plan_footprint`.
+
+    `candidates` restricts the tags considered (tag names, or roles such as ``q_proj``).
+    Tags saving fewer than `min_flops_per_byte` FLOPs per byte kept are never saved.
+    `runner_ups` is how many next-best sets the plan lists. Raises `NoFitError` when even
+    full recompute does not fit.
+
+    `objective` is what is minimised: ``"flops"`` (recompute FLOPs) or ``"time"``
+    (recompute time: each op of the layer graph priced by a roofline over `rates`, an
+    `EngineRates` or a name in `device.ENGINE_RATES`, by default the device's). The default
+    is ``"time"`` on a Neuron device whose rates are known, ``"flops"`` elsewhere. Under
+    ``"time"`` a tag is not worth saving when recomputing it takes less time than writing
+    and reading it (``2 x bytes / HBM bandwidth``), in place of `min_flops_per_byte`.
+
+    `per_layer=True` also finds the optimal mix of save sets over the model's layers per
+    core: each layer takes one set of the frontier of (kept bytes, recompute), all layers
+    together within the budget, least total recompute (an exact knapsack over the layers).
+    The plan's fields stay those of the best uniform set; `Plan.layer_mix` and
+    `Plan.layer_policies` (one policy per layer, None when the best mix is uniform) give
+    the mix. `max_sets` bounds the distinct sets in the mix (2: a scanned stack runs as two
+    scans, `scan_layers`; each further scan costs the compiler another working set); None
+    leaves it free.
+    """
+    _check_plan_numbers(budget_bytes, min_flops_per_byte, runner_ups, reserve)
+    _check_counts(max_sets=max_sets)
+    if config is None or shape is None:
+        raise ValueError(f"plan needs a model: config={config!r}, shape={shape!r} (for a "
+                         "footprint and a byte budget, call plan_footprint)")
+    if device is None:
+        from .device import detect  # noqa: PLC0415
+
+        device = detect()
+    # Plan in the names the host emits on this device (axlearn on Neuron: no
+    # flash-attention tag, so attention is recomputed under any names policy).
+    config = dataclasses.replace(config, tags=models.host_tags(config.tags, device))
+    notes = list(models.shape_notes(config, shape))
+    par = (parallelism or models.Parallelism()).resolve(device)
+    bud = mm.budget(device, config, shape, par, reserve=reserve)
+    fp = mm.layer_footprint(config, shape, par)
+    per_layer_bytes = bud.per_layer_bytes if budget_bytes is None else int(budget_bytes)
+    budget_for: Callable[[tuple[str, ...]], int] | None = None
+    if bud.graph is not None and budget_bytes is None:
+        budget_for = _own_workspace(bud, getattr(fp, "roles", {}))
+    return _choose(fp, per_layer_bytes, candidates, notes=notes, device=device, config=config,
+                   shape=shape, par=par, bud=bud, budget_for=budget_for,
+                   layers=bud.layers_per_core, inflight=bud.inflight,
+                   min_flops_per_byte=min_flops_per_byte, runner_ups=runner_ups,
+                   objective=objective, rates=rates, per_layer_mix=bool(per_layer),
+                   max_sets=max_sets)
+
+
+def plan_footprint(
+    footprint: Mapping[str, Any] | mm.Footprint,
+    budget_bytes: int,
+    candidates: Iterable[str] | None = None,
+    *,
+    device: DeviceSpec | None = None,
     min_flops_per_byte: float = DEFAULT_MIN_FLOPS_PER_BYTE,
     runner_ups: int = 3,
     objective: str | None = None,
@@ -598,73 +614,51 @@ def plan(
     layers: int | None = None,
     max_sets: int | None = 2,
 ) -> Plan:
-    per_layer_mix = bool(per_layer)
-    """Choose the tags to save: the set that fits the budget with the least recompute.
+    """Choose the tags a layer saves, given its footprint and a byte budget.
 
-    Either describe the model (`config`, `shape`, `parallelism`, and `device`, detected
-    when None), or pass a `footprint` (from `layer_footprint` or `traced_footprint`, or any
-    mapping of tag -> object with ``.bytes`` and ``.recompute_flops``) with `budget_bytes`:
-    what one layer may keep on one core, its always-kept input included.
-
-    `candidates` restricts the tags considered (tag names, or roles such as ``q_proj``).
-    Tags saving fewer than `min_flops_per_byte` FLOPs per byte kept are never saved.
-    Raises `NoFitError` when even full recompute does not fit.
-
-    `objective` is what is minimised: ``"flops"`` (recompute FLOPs) or ``"time"``
-    (recompute time: each op of the layer graph priced by a roofline over `rates`, an
-    `EngineRates` or a name in `device.ENGINE_RATES`, by default the device's). The default
-    is ``"time"`` on a Neuron device whose rates are known and the footprint has a graph,
-    ``"flops"`` elsewhere. Under ``"time"`` a tag is not worth saving when recomputing it
-    takes less time than writing and reading it (``2 x bytes / HBM bandwidth``), in place
-    of `min_flops_per_byte`.
-
-    `per_layer=True` also finds the optimal mix of save sets over the layers (`layers`
-    layers sharing ``layers x budget_bytes`` with a footprint; the model's layers per core
-    otherwise): each layer takes one set of the frontier of (kept bytes, recompute), all
-    layers together within the budget, least total recompute (an exact knapsack over the
-    layers). The plan's fields stay those of the best uniform set; `Plan.layer_mix` and
-    `Plan.layer_policies` (one policy per layer, None when the best mix is uniform) give
-    the mix. `max_sets` bounds the distinct sets in the mix (2: a scanned stack runs as two
-    scans, `scan_layers`; each further scan costs the compiler another working set); None
-    leaves it free.
+    `footprint` comes from `layer_footprint` or `traced_footprint`, or is any mapping of tag
+    -> object with ``.bytes`` and ``.recompute_flops``. `budget_bytes` is what one layer may
+    keep on one core, its always-kept input included. `device` only picks the default
+    objective and its engine rates (``"time"`` on a Neuron device when the footprint has a
+    graph). `per_layer=True` mixes save sets over `layers` layers (required then) sharing
+    ``layers x budget_bytes``. The other arguments are `plan`'s.
     """
-    _check_plan_numbers(budget_bytes, min_flops_per_byte, runner_ups, reserve)
-    for name, value, what in (("layers", layers, "layers sharing the budget"),
-                              ("max_sets", max_sets, "distinct save sets in a per-layer plan")):
+    _check_plan_numbers(budget_bytes, min_flops_per_byte, runner_ups, None)
+    _check_counts(layers=layers, max_sets=max_sets)
+    if budget_bytes is None:
+        raise ValueError("plan_footprint needs budget_bytes= (what one layer may keep on one "
+                         "core, its input included)")
+    fp = footprint if isinstance(footprint, mm.Footprint) else _as_footprint(footprint)
+    _check_footprint(fp)
+    if per_layer and layers is None:
+        raise ValueError("plan_footprint(per_layer=True) needs layers= (how many layers share "
+                         "layers x budget_bytes)")
+    return _choose(fp, int(budget_bytes), candidates, notes=[], device=device, config=None,
+                   shape=None, par=None, bud=None, budget_for=None, layers=layers or 1,
+                   inflight=1, min_flops_per_byte=min_flops_per_byte, runner_ups=runner_ups,
+                   objective=objective, rates=rates, per_layer_mix=bool(per_layer),
+                   max_sets=max_sets)
+
+
+def _check_counts(**counts: int | None) -> None:
+    what = {"layers": "layers sharing the budget",
+            "max_sets": "distinct save sets in a per-layer plan"}
+    for name, value in counts.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):
-            raise ValueError(f"{name}={value!r}: give a positive int ({what}) or None")
-    notes: list[str] = []
-    bud: mm.Budget | None = None
-    par: models.Parallelism | None = None
-    if footprint is None:
-        if config is None or shape is None:
-            raise ValueError("plan needs config= and shape= (a model), or footprint= with "
-                             "budget_bytes=")
-        if device is None:
-            from .device import detect  # noqa: PLC0415
+            raise ValueError(f"{name}={value!r}: give a positive int ({what[name]}) or None")
 
-            device = detect()
-        # Plan in the names the host emits on this device (axlearn on Neuron: no
-        # flash-attention tag, so attention is recomputed under any names policy).
-        config = dataclasses.replace(config, tags=models.host_tags(config.tags, device))
-        notes.extend(models.shape_notes(config, shape))
-        par = (parallelism or models.Parallelism()).resolve(device)
-        bud = mm.budget(device, config, shape, par, reserve=reserve)
-        fp = mm.layer_footprint(config, shape, par)
-        per_layer = bud.per_layer_bytes if budget_bytes is None else int(budget_bytes)
-        layers, inflight = bud.layers_per_core, bud.inflight
-    else:
-        if budget_bytes is None:
-            raise ValueError("plan(footprint=...) needs budget_bytes= (what one layer may "
-                             "keep on one core, its input included)")
-        fp = footprint if isinstance(footprint, mm.Footprint) else _as_footprint(footprint)
-        _check_footprint(fp)
-        per_layer = int(budget_bytes)
-        if per_layer_mix and layers is None:
-            raise ValueError("plan(footprint=..., per_layer=True) needs layers= (how many "
-                             "layers share layers x budget_bytes)")
-        layers, inflight = (layers or 1), 1
+
+def _choose(fp: mm.Footprint, per_layer: int, candidates: Iterable[str] | None, *,
+            notes: list[str], device: DeviceSpec | None,
+            config: models.TransformerConfig | None, shape: models.StepShape | None,
+            par: models.Parallelism | None, bud: mm.Budget | None,
+            budget_for: Callable[[tuple[str, ...]], int] | None, layers: int, inflight: int,
+            min_flops_per_byte: float, runner_ups: int, objective: str | None,
+            rates: EngineRates | str | None, per_layer_mix: bool,
+            max_sets: int | None) -> Plan:
+    """The choice both entry points share: one layer's footprint against `per_layer` bytes
+    (or `budget_for(tags)`, a budget that depends on the set's own workspace)."""
     obj, rts = _resolve_objective(objective, rates, device, fp)
     cost_fp = fp if obj == "flops" else _timed_footprint(fp, rts)
 
@@ -705,10 +699,6 @@ def plan(
         if t not in pool and t not in always:
             decisions[t] = "not a candidate"
     usable.sort()
-    budget_for: Callable[[tuple[str, ...]], int] | None = None
-    if bud is not None and bud.graph is not None and budget_bytes is None:
-        budget_for = _own_workspace(bud, getattr(fp, "roles", {}))
-
     choices = _solve(cost_fp, usable, per_layer, keep=1 + runner_ups, budget_for=budget_for)
     if obj == "time":  # picoseconds back to FLOPs and seconds
         choices = [Choice(c.tags, c.kept_bytes, fp.evaluate(c.tags)[1],
@@ -923,7 +913,7 @@ def _check_footprint(fp: Mapping[str, Any]) -> None:
 
 def _as_footprint(mapping: Mapping[str, Any]) -> mm.Footprint:
     if not isinstance(mapping, Mapping):
-        raise TypeError(f"plan: footprint= must be a mapping of tag -> cost (from "
+        raise TypeError(f"plan_footprint: footprint= must be a mapping of tag -> cost (from "
                         f"layer_footprint or traced_footprint); got {type(mapping).__name__}")
     tags = {}
     for name, cost in mapping.items():

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import logging
 import re
 import threading
@@ -36,11 +35,10 @@ from types import MappingProxyType
 from typing import Any
 
 import jax
-from jax._src import ad_checkpoint as _jax_remat
-from jax._src.ad_checkpoint import name_p
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 
-from . import _regex, models
+from . import _jax_compat, _regex, models
+from ._jax_compat import name_p
 from .device import looks_like_neuron
 
 __all__ = [
@@ -238,7 +236,7 @@ def _matches_everything(matchers: Sequence[_regex.SafePattern]) -> bool:
 
 # The policy base JAX's new remat (jax_remat3) recognises; JAX < 0.9 has no such class
 # (and no remat3), so there any base will do.
-_NamesBase: type = getattr(_jax_remat, "SaveOnlyTheseNames", object)
+_NamesBase: type = _jax_compat.policy_class("SaveOnlyTheseNames") or object
 
 
 class _RegexNames:
@@ -281,7 +279,7 @@ class NamesPolicy(_NamesBase):
         raise NotImplementedError
 
 
-_DotsBase = getattr(_jax_remat, "DotsSaveable", None)  # JAX >= 0.9
+_DotsBase = _jax_compat.policy_class("DotsSaveable")  # JAX >= 0.9
 
 
 @dataclass(frozen=True, eq=False)
@@ -512,10 +510,7 @@ def remat3_asks_any_policy() -> bool:
     honours only JAX's own policy types and never offloads. Read from the signature of the
     tag primitive's remat rule (0.12 passes the trace, whose policy it calls; 0.10 passes the
     policy, whose type it inspects); nothing is traced."""
-    try:
-        params = list(inspect.signature(_jax_remat.CheckpointName.remat).parameters)
-    except (AttributeError, TypeError, ValueError):
-        return False
+    params = _jax_compat.remat3_rule_params()
     return len(params) > 1 and params[1] == "trace"
 
 
@@ -527,10 +522,11 @@ def remat3_ignores_closures() -> bool:
 
 
 def _honoured_by_remat3(policy: Any) -> bool:
-    kinds = tuple(getattr(_jax_remat, n) for n in ("SaveOnlyTheseNames", "SaveAnyNamesButThese",
-                                                   "DotsSaveable") if hasattr(_jax_remat, n))
-    return (policy is None or policy is _jax_remat.everything_saveable
-            or policy is _jax_remat.nothing_saveable or isinstance(policy, kinds))
+    kinds = tuple(k for k in map(_jax_compat.policy_class, ("SaveOnlyTheseNames",
+                                                             "SaveAnyNamesButThese",
+                                                             "DotsSaveable")) if k is not None)
+    return (policy is None or policy is _jax_compat.everything_saveable
+            or policy is _jax_compat.nothing_saveable or isinstance(policy, kinds))
 
 
 def warn_if_ignored(policy: Any, where: str = "jax.checkpoint", *,

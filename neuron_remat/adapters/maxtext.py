@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from jax._src.ad_checkpoint import name_p
+from .._jax_compat import name_p
 from jax.ad_checkpoint import Offloadable, Saveable
 
 from .. import models

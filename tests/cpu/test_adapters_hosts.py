@@ -317,7 +317,7 @@ def test_a_traced_plan_ends_in_a_jax_checkpoint_call_that_keeps_the_planned_tags
     x, params = sl.make_args()
     fp = nr.traced_footprint(sl.layer, x, params)
     budget = fp.evaluate(())[0] + fp.evaluate(())[0] // 2
-    plan = nr.plan(footprint=fp, budget_bytes=budget)
+    plan = nr.plan_footprint(footprint=fp, budget_bytes=budget)
     assert plan.saved_tags and set(plan.saved_tags) != set(fp)  # not nothing, not all
     how, line = plan.paste()
     assert plan.table().splitlines()[-2:] == [f"# {how}:", line]
@@ -350,7 +350,7 @@ def test_a_maxtext_plan_ends_in_its_remat_policy_custom_keys(monkeypatch):
 def test_exact_ties_are_shown_as_ties():
     cost = dataclasses.make_dataclass("Cost", ["bytes", "recompute_flops"])
     fp = {"a": cost(100, 1e6), "b": cost(100, 1e6), "c": cost(100, 5e5)}
-    plan = nr.plan(footprint=fp, budget_bytes=150)
+    plan = nr.plan_footprint(footprint=fp, budget_bytes=150)
     assert plan.saved_tags in (("a",), ("b",))
     other = "b" if plan.saved_tags == ("a",) else "a"
     lines = plan.table().splitlines()

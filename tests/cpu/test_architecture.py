@@ -8,7 +8,7 @@ import sys
 import neuron_remat
 
 ORDER = ["device", "models", "graph", "_jax_compat", "moe", "memory_model", "_trace", "_regex",
-         "policies", "stack", "audit", "planner", "fit", "multihost", "plugin", "cli"]
+         "policies", "stack", "_audit", "planner", "_fit", "multihost", "plugin", "cli"]
 PACKAGE = pathlib.Path(neuron_remat.__file__).parent
 
 

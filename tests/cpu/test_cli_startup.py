@@ -48,7 +48,7 @@ def test_planning_does_import_jax():
 def test_package_names_load_on_first_use():
     code = ("import sys, types, neuron_remat as nr\n"
             "assert 'jax' not in sys.modules\n"
-            "import neuron_remat.audit, neuron_remat.fit\n"
+            "import neuron_remat._audit, neuron_remat._fit\n"
             "assert isinstance(nr.audit, types.FunctionType), nr.audit\n"
             "assert isinstance(nr.fit, types.FunctionType), nr.fit\n"
             "assert nr.get_model('fuji-70b').layers == 80\n"

@@ -27,7 +27,7 @@ import neuron_remat as nr
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zoo  # noqa: E402
 
-F = importlib.import_module("neuron_remat.fit")
+F = importlib.import_module("neuron_remat._fit")
 MiB = 1 << 20
 
 

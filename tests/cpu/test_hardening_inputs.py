@@ -1,4 +1,4 @@
-"""Hardening, second round (issue 19): numbers given to `plan(footprint=...)`, and the
+"""Hardening, second round (issue 19): numbers given to `plan_footprint(...)`, and the
 Neuron runtime's environment variables on every device path (detected, named with
 ``--device``, and the ``NEURON_REMAT_DEVICE`` override). Each input is either answered as
 its plain equivalent would be, or refused in one line naming it and what is valid."""
@@ -27,7 +27,7 @@ def one_line(err):
     return text
 
 
-# --- plan(footprint=...) ------------------------------------------------------------------
+# --- plan_footprint(...) ------------------------------------------------------------------
 
 BAD_FLOATS = [math.nan, math.inf, -math.inf, -1.0, -1e-9]
 NUMBERS = st.one_of(st.integers(-10, 10**6), st.floats(allow_nan=True, allow_infinity=True),
@@ -86,7 +86,7 @@ def test_a_footprint_is_planned_exactly_or_refused_in_one_line(case):
     valid = all(_valid_bytes(t.bytes) and _valid_flops(t.recompute_flops)
                 for t in tags.values()) and _valid_bytes(budget)
     try:
-        plan = planner.plan(footprint=tags, budget_bytes=budget, min_flops_per_byte=0)
+        plan = planner.plan_footprint(footprint=tags, budget_bytes=budget, min_flops_per_byte=0)
     except planner.NoFitError as err:
         assert valid, (tags, budget)
         one_line(err)
@@ -122,11 +122,14 @@ def test_a_footprint_is_planned_exactly_or_refused_in_one_line(case):
     (dict(reserve=-1), "reserve"),
 ])
 def test_plan_numbers_are_refused_in_one_line(kwargs, words):
-    args = dict(footprint={"a": SimpleNamespace(bytes=1, recompute_flops=1.0)},
-                budget_bytes=10)
-    args.update(kwargs)
     with pytest.raises(ValueError) as err:
-        planner.plan(**args)
+        if "reserve" in kwargs:  # a model's plan: plan_footprint takes no reserve
+            planner.plan(nr.parse_device("trn2.48xlarge"), nr.get_model("llama3-8b"),
+                         nr.StepShape(seq_len=2048), nr.Parallelism(fsdp=-1), **kwargs)
+        else:
+            planner.plan_footprint(
+                **{"footprint": {"a": SimpleNamespace(bytes=1, recompute_flops=1.0)},
+                   "budget_bytes": 10, **kwargs})
     assert words in one_line(err.value) and "valid" in str(err.value)
 
 

@@ -24,7 +24,7 @@ import neuron_remat
 from neuron_remat import _trace, models, planner, plugin
 from neuron_remat import policies as pol
 from neuron_remat import reference as ref
-from neuron_remat.audit import audit
+from neuron_remat._audit import audit
 
 from small_layer import NAMES, layer, make_args  # noqa: E402
 STACK = models.TransformerConfig(hidden=128, heads=8, kv_heads=2, ffn=256, layers=4,
@@ -108,7 +108,7 @@ def test_traced_footprint_is_the_same(layer_args, impl):
 def test_a_plan_from_the_traced_footprint_is_the_same(layer_args, impl):
     with remat(impl):
         fp = _trace.traced_footprint(layer, *layer_args)
-    chosen = planner.plan(footprint=fp, budget_bytes=2048 + 8192, min_flops_per_byte=0)
+    chosen = planner.plan_footprint(footprint=fp, budget_bytes=2048 + 8192, min_flops_per_byte=0)
     assert set(chosen.saved_tags) == {NAMES["linear1_0"], NAMES["linear1_1"]}
     assert chosen.recompute_flops_per_layer == 129696
 

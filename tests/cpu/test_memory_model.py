@@ -242,7 +242,7 @@ def test_planner_is_optimal_by_enumeration():
     full_kept, _ = fp.evaluate(())
     every_kept, _ = fp.evaluate(tags)
     for budget in np.linspace(full_kept, every_kept, 9).astype(int):
-        chosen = planner.plan(footprint=fp, budget_bytes=int(budget), min_flops_per_byte=0)
+        chosen = planner.plan_footprint(footprint=fp, budget_bytes=int(budget), min_flops_per_byte=0)
         best = min(fp.evaluate(s)[1] for r in range(len(tags) + 1)
                    for s in itertools.combinations(tags, r) if fp.evaluate(s)[0] <= budget)
         assert chosen.kept_bytes_per_layer <= budget
@@ -255,7 +255,7 @@ def test_branch_and_bound_is_exact_on_a_large_additive_footprint():
             for i, (b, f) in enumerate(zip(rng.integers(1, 100, 16), rng.integers(1, 1000, 16)))}
     tags["in"] = mm.TagCost(bytes=50, recompute_flops=0, always_kept=True)
     for budget in (60, 200, 400, 700):
-        chosen = planner.plan(footprint=tags, budget_bytes=budget, min_flops_per_byte=0)  # B&B
+        chosen = planner.plan_footprint(footprint=tags, budget_bytes=budget, min_flops_per_byte=0)  # B&B
         names = [t for t in tags if t != "in"]
         best = max(sum(tags[t].recompute_flops for t in s)
                    for r in range(len(names) + 1) for s in itertools.combinations(names, r)
@@ -268,11 +268,11 @@ def test_cheap_tags_are_never_chosen_over_better_ones():
     tags = {"norm_out": mm.TagCost(bytes=1000, recompute_flops=2500),  # 2.5 FLOP/B
             "q_proj": mm.TagCost(bytes=1000, recompute_flops=200_000),
             "k_proj": mm.TagCost(bytes=400, recompute_flops=80_000)}
-    chosen = planner.plan(footprint=tags, budget_bytes=10_000)
+    chosen = planner.plan_footprint(footprint=tags, budget_bytes=10_000)
     assert chosen.saved_tags == ("q_proj", "k_proj")
     reason = next(d.reason for d in chosen.decisions if d.tag == "norm_out")
     assert "cheap to recompute" in reason
-    tight = planner.plan(footprint=tags, budget_bytes=500)
+    tight = planner.plan_footprint(footprint=tags, budget_bytes=500)
     assert tight.saved_tags == ("k_proj",)
 
 
@@ -373,9 +373,9 @@ def test_hugging_face_config_loader():
      ["tp*dp*pp=3", "64"]),
     (lambda: nr.get_model("gpt-5"), ["'gpt-5'", "fuji-70b"]),
     (lambda: nr.budget(nr.parse_device("cpu"), CFG, SHAPE), ["no HBM figure"]),
-    (lambda: planner.plan(footprint=mm.layer_footprint(CFG, SHAPE)), ["budget_bytes"]),
-    (lambda: planner.plan(footprint=mm.layer_footprint(CFG, SHAPE), budget_bytes=10**9,
-                      candidates=["o_projection"]), ["'o_projection'", "q_proj"]),
+    (lambda: planner.plan_footprint(mm.layer_footprint(CFG, SHAPE), None), ["budget_bytes"]),
+    (lambda: planner.plan_footprint(mm.layer_footprint(CFG, SHAPE), budget_bytes=10**9,
+                                    candidates=["o_projection"]), ["'o_projection'", "q_proj"]),
 ])
 def test_bad_configurations_are_clear_errors(make, words):
     with pytest.raises(ValueError) as err:

@@ -57,10 +57,10 @@ def test_mix_is_the_brute_force_optimum(footprint, layers):
     checked = mixed = 0
     for frac in (0.1, 0.3, 0.45, 0.6, 0.8, 0.95):
         budget = int(lo + frac * (hi - lo))
-        p = nr.plan(footprint=footprint, budget_bytes=budget, candidates=cands,
+        p = nr.plan_footprint(footprint=footprint, budget_bytes=budget, candidates=cands,
                     layers=layers, per_layer=True, min_flops_per_byte=0, max_sets=None)
         expected = _brute(costs, layers, budget * layers)
-        two = nr.plan(footprint=footprint, budget_bytes=budget, candidates=cands,
+        two = nr.plan_footprint(footprint=footprint, budget_bytes=budget, candidates=cands,
                       layers=layers, per_layer=True, min_flops_per_byte=0)
         assert len(two.layer_mix) <= 2
         assert two.mixed_recompute_flops == pytest.approx(
@@ -80,16 +80,16 @@ def test_mix_is_the_brute_force_optimum(footprint, layers):
 def test_uniform_best_mix_gives_no_layer_policies(footprint):
     every = [t for t in footprint if not footprint[t].always_kept]
     kept, _ = footprint.evaluate(every)
-    p = nr.plan(footprint=footprint, budget_bytes=kept + 10, layers=4, per_layer=True)
+    p = nr.plan_footprint(footprint=footprint, budget_bytes=kept + 10, layers=4, per_layer=True)
     assert p.layer_policies is None
     assert [m.layers for m in p.layer_mix] == [4]
 
 
 def test_per_layer_needs_layers_with_a_footprint(footprint):
     with pytest.raises(ValueError, match="layers="):
-        nr.plan(footprint=footprint, budget_bytes=1 << 30, per_layer=True)
+        nr.plan_footprint(footprint=footprint, budget_bytes=1 << 30, per_layer=True)
     with pytest.raises(ValueError, match="layers=0"):
-        nr.plan(footprint=footprint, budget_bytes=1 << 30, per_layer=True, layers=0)
+        nr.plan_footprint(footprint=footprint, budget_bytes=1 << 30, per_layer=True, layers=0)
 
 
 def test_analytic_mix_respects_each_sets_workspace():
@@ -167,7 +167,7 @@ def test_table_and_json_show_the_mix(footprint):
     cands = [t for t in CANDS if t in footprint]
     costs = sorted(footprint.evaluate(s)[0] for s in _subsets(cands))
     budget = (costs[0] + costs[-1]) // 2
-    p = nr.plan(footprint=footprint, budget_bytes=budget, candidates=cands, layers=4,
+    p = nr.plan_footprint(footprint=footprint, budget_bytes=budget, candidates=cands, layers=4,
                 per_layer=True)
     d = p.to_dict()
     assert sum(m["layers"] for m in d["layer_mix"]) == 4

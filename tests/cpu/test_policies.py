@@ -14,7 +14,7 @@ from jax._src.ad_checkpoint import name_p, saved_residuals
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable, checkpoint_policies
 from jax.extend.core import Primitive
 
-from neuron_remat.audit import DeadPatternError, audit
+from neuron_remat._audit import DeadPatternError, audit
 from neuron_remat import policies as pol
 from neuron_remat import reference as ref
 from neuron_remat.cli import main

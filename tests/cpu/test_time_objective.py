@@ -159,11 +159,11 @@ def test_default_objective():
                     par, objective="flops")
     assert flops.objective == "flops" and flops.recompute_seconds_per_layer is None
     fp = {"a": mm.TagCost(bytes=10, recompute_flops=100.0)}
-    assert nr.plan(footprint=fp, budget_bytes=100).objective == "flops"
+    assert nr.plan_footprint(footprint=fp, budget_bytes=100).objective == "flops"
     with pytest.raises(ValueError, match="needs engine rates"):
-        nr.plan(footprint=fp, budget_bytes=100, objective="time")
+        nr.plan_footprint(footprint=fp, budget_bytes=100, objective="time")
     with pytest.raises(ValueError, match="layer graph"):
-        nr.plan(footprint=fp, budget_bytes=100, objective="time", rates="h200-sxm")
+        nr.plan_footprint(footprint=fp, budget_bytes=100, objective="time", rates="h200-sxm")
     with pytest.raises(ValueError, match="objective='seconds'"):
-        nr.plan(footprint=fp, budget_bytes=100, objective="seconds")
+        nr.plan_footprint(footprint=fp, budget_bytes=100, objective="seconds")
     assert math.isnan(flops.time_overhead)

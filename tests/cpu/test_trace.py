@@ -233,7 +233,7 @@ def test_plan_is_the_compiled_optimum_at_every_budget(fused_fp, fused_compiled):
     budgets = [int(b) for b in np.linspace(levels[0], levels[-1], 7)]
     chosen = set()
     for budget in budgets:
-        plan = planner.plan(footprint=fp, budget_bytes=budget, candidates=cands,
+        plan = planner.plan_footprint(footprint=fp, budget_bytes=budget, candidates=cands,
                             min_flops_per_byte=0)
         fits = {s: f for s, f in fused_compiled.items() if fp.evaluate(s)[0] <= budget}
         best = min(fits.values())
@@ -250,7 +250,7 @@ def test_fused_layer_plan_beats_the_trn2_regex_at_its_budget(fused_fp):
     saved = tuple(t for t in fp if regex.action(t) == "save")
     assert len(saved) == 5
     budget, _ = fp.evaluate(saved)
-    plan = nr.plan(footprint=fp, budget_bytes=budget)
+    plan = nr.plan_footprint(footprint=fp, budget_bytes=budget)
     base = _step_flops(True, "none")
     regex_flops = _step_flops(True, saved) - base
     plan_flops = _step_flops(True, plan.saved_tags) - base
@@ -290,7 +290,7 @@ def test_fused_qkv_is_one_group_with_joint_figures(fused_fp, separate_fp):
 
 
 def test_plan_table_and_json_show_groups(fused_fp):
-    plan = nr.plan(footprint=fused_fp, budget_bytes=fused_fp.evaluate(())[0] + 10**6)
+    plan = nr.plan_footprint(footprint=fused_fp, budget_bytes=fused_fp.evaluate(())[0] + 10**6)
     text = plan.table()
     assert "together: q_proj+k_proj+v_proj: one fused matmul" in text
     assert "cheap to recompute" not in next(
@@ -306,10 +306,10 @@ def test_min_flops_per_byte_judges_groups_jointly(fused_fp):
     group = fp.groups[0]
     cands = list(group.tags)
     loose = fp.evaluate(())[0] + group.bytes
-    above = nr.plan(footprint=fp, budget_bytes=loose, candidates=cands,
+    above = nr.plan_footprint(footprint=fp, budget_bytes=loose, candidates=cands,
                     min_flops_per_byte=group.flops_per_byte * 0.99)
     assert set(above.saved_tags) == set(group.tags)
-    below = nr.plan(footprint=fp, budget_bytes=loose, candidates=cands,
+    below = nr.plan_footprint(footprint=fp, budget_bytes=loose, candidates=cands,
                     min_flops_per_byte=group.flops_per_byte * 1.01)
     assert below.saved_tags == ()
     assert all("saves no recompute" in d.reason for d in below.decisions
@@ -325,10 +325,10 @@ def test_params_first_plans_like_activation_first():
     a, b = nr.traced_footprint(fn_x, *args_x), nr.traced_footprint(fn_p, *args_p)
     assert dict(a) == dict(b) and a.always_kept_bytes == b.always_kept_bytes == _x().size * 4
     budget = a.evaluate(())[0] + 200_000
-    assert nr.plan(footprint=a, budget_bytes=budget).saved_tags == \
-        nr.plan(footprint=b, budget_bytes=budget).saved_tags
+    assert nr.plan_footprint(footprint=a, budget_bytes=budget).saved_tags == \
+        nr.plan_footprint(footprint=b, budget_bytes=budget).saved_tags
     # The parameters are not activations: a tight budget that fits x still plans.
-    tight = nr.plan(footprint=b, budget_bytes=b.evaluate(())[0])
+    tight = nr.plan_footprint(footprint=b, budget_bytes=b.evaluate(())[0])
     assert tight.saved_tags == () and tight.kept_bytes_per_layer == _x().size * 4
     # Overridden: the weights then count as kept activations.
     forced = nr.traced_footprint(fn_p, *args_p, activation_argnums=(0, 1))

@@ -140,7 +140,7 @@ def test_refused_forms_say_why_in_one_line():
         nr.traced_footprint("not a function", x)
     assert "fn must be callable" in _one_line(err)
     # A function that fails on its own arguments is the user's error, named as such.
-    from neuron_remat.audit import LayerError  # noqa: PLC0415
+    from neuron_remat._audit import LayerError  # noqa: PLC0415
 
     with pytest.raises(LayerError) as err:
         nr.audit(lambda a: a @ jnp.ones((3, 3)), x, policy=nr.RegexPolicy(["h"]))

@@ -250,7 +250,7 @@ def check_layer(spec, every_subset=False, flops=True):
     levels = sorted({b for b, _ in costs.values()})
     budgets = [int(b) for b in np.linspace(levels[0], levels[-1], 5)]
     for budget in budgets:
-        plan = planner.plan(footprint=fp, budget_bytes=budget, candidates=cands,
+        plan = planner.plan_footprint(footprint=fp, budget_bytes=budget, candidates=cands,
                             min_flops_per_byte=0)
         best = min(f for b, f in costs.values() if b <= budget)
         got_bytes, got = costs[frozenset(plan.saved_tags)]
@@ -299,7 +299,7 @@ def test_bf16_fused_flash_in_shard_map_beats_the_trn2_regex_at_its_budget():
     assert sorted(regex) == sorted(T[r] for r in ("q_proj", "k_proj", "v_proj",
                                                   "linear1_0", "linear1_1"))
     regex_bytes, regex_flops = measured(DONE, regex)
-    plan = nr.plan(footprint=fp, budget_bytes=regex_bytes)
+    plan = nr.plan_footprint(footprint=fp, budget_bytes=regex_bytes)
     plan_bytes, plan_flops = measured(DONE, plan.saved_tags)
     assert plan.kept_bytes_per_layer == plan_bytes <= regex_bytes  # exact
     assert plan_flops <= regex_flops
@@ -321,8 +321,8 @@ def test_bf16_and_f32_layers_plan_alike_with_bytes_scaled():
     for frac in (0.2, 0.5, 0.8):
         lo_a, hi_a = a.evaluate(())[0], a.evaluate(list(a))[0]
         lo_b, hi_b = b.evaluate(())[0], b.evaluate(list(b))[0]
-        pa = nr.plan(footprint=a, budget_bytes=int(lo_a + frac * (hi_a - lo_a)))
-        pb = nr.plan(footprint=b, budget_bytes=int(lo_b + frac * (hi_b - lo_b)))
+        pa = nr.plan_footprint(footprint=a, budget_bytes=int(lo_a + frac * (hi_a - lo_a)))
+        pb = nr.plan_footprint(footprint=b, budget_bytes=int(lo_b + frac * (hi_b - lo_b)))
         assert set(pa.saved_tags) == set(pb.saved_tags), frac
 
 
@@ -343,7 +343,7 @@ def test_done_when_on_compiled_programs():
     fp = nr.traced_footprint(fn, *args)
     regex = tuple(t for t in fp if TRN2.action(t) == "save")
     regex_bytes, _ = measured(DONE, regex)
-    plan = nr.plan(footprint=fp, budget_bytes=regex_bytes)
+    plan = nr.plan_footprint(footprint=fp, budget_bytes=regex_bytes)
 
     def compiled(saved):
         f = jax.checkpoint(fr.layer_fn(DONE, unroll=True), policy=_policy(saved))

@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from examples import fit_demo  # noqa: E402
 
-F = importlib.import_module("neuron_remat.fit")  # the module (nr.fit is the function)
+F = importlib.import_module("neuron_remat._fit")
 
 CONFIG = dataclasses.replace(
     fit_demo.SMALL, layers=2, tags=dataclasses.replace(

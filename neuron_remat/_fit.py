@@ -60,7 +60,6 @@ lists the frontier with predicted bytes.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -72,23 +71,86 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src.ad_checkpoint import name_p, save_only_these_names
 from jax.extend import core as jcore
 
 from . import _trace
+from ._jax_compat import is_name_primitive, remat3_off, save_only_these_names
 from ._format import fmt_bytes, grid, tag_list
 from .device import DeviceSpec
 from .graph import LayerGraph
 from .memory_model import reserve_bytes as _reserve_bytes
-from .planner import Choice, CompiledFit, NoFitError, Plan, Probe, TagDecision
+from .planner import Choice, NoFitError, Plan, TagDecision
 from .policies import RegexPolicy
 
 __all__ = ["CompiledFit", "FitPreview", "LayerBackward", "PolicyIgnoredError", "Probe",
            "StepGraph", "fit", "fit_preview", "fit_table", "out_of_memory", "step_graph"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("neuron_remat.fit")  # the public name, not the private module's
 
 NO_REMAT = "no remat"
+
+
+# --------------------------------------------------------------------------------------
+# What fit reports: its compiles, and what it learned from them.
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One compile of the training step (`fit`): what XLA allocated and computed.
+
+    `bytes` is ``argument + output + temp - alias`` from ``memory_analysis()`` (-1 when the
+    backend reports none: then the compile is the oracle, `out_of_memory` its answer);
+    `saved` is None for no remat. `predicted_bytes` is what the fitted model said before this compile
+    (None for the probes it was fitted on)."""
+
+    label: str
+    saved: tuple[str, ...] | None
+    bytes: int
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    flops: float
+    seconds: float
+    predicted_bytes: int | None = None
+    out_of_memory: bool = False  # the compile failed for want of device memory
+    reported_bytes: int | None = None  # the byte figure that failure gave, if any
+
+
+@dataclass(frozen=True)
+class CompiledFit:
+    """What `fit` learned from compiling the step, and the confirmed choice.
+
+    The model: ``bytes(S) = fixed_bytes + kept(S) + workspace_slope x read(S)``, kept(S)
+    the residuals of every layer, read(S) the bytes one layer's backward reads that S
+    recomputes (`workspace_bytes` for the choice); `fixed_bytes` is the fitted intercept:
+    the state and the step's policy-independent temporaries, less what the slope's line
+    over-counts at read(S) = 0 (it can be negative). `workspace_error_bytes` is the model's largest
+    miss on the compiles made (before the per-tag corrections). `measured` is False when
+    the backend had no ``memory_analysis()`` and `bytes` is the uncalibrated model's."""
+
+    hbm_bytes: int
+    reserve_bytes: int
+    limit_bytes: int
+    bytes: int
+    flops: float
+    no_remat: bool
+    compiles: int
+    probes: tuple[Probe, ...]
+    fixed_bytes: int
+    workspace_slope: float
+    workspace_bytes: int
+    workspace_error_bytes: int
+    layers: int
+    step_flops: float
+    recompute_flops: float
+    measured: bool = True
+
+    @property
+    def overhead(self) -> float:
+        """Recompute as a fraction of the step without remat (every layer counted)."""
+        return self.recompute_flops / self.step_flops if self.step_flops else float("nan")
 
 
 # --------------------------------------------------------------------------------------
@@ -128,7 +190,7 @@ def _cotangent_count(body: Any) -> int:
     found = 0
     for k in range(1, n):
         _, marks = _depends(body, set(body.invars[n - k:]))
-        if any(m and e.primitive is name_p for m, e in zip(marks, body.eqns)):
+        if any(m and is_name_primitive(e.primitive) for m, e in zip(marks, body.eqns)):
             break
         found = k
     if found:
@@ -225,7 +287,7 @@ def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
     tags, while remat3 inlines the layer and drops them. A `RegexPolicy` makes the same
     decisions under both, so the graph is the same; the probes compile under the
     implementation the host really runs."""
-    with _original_remat():
+    with remat3_off():
         closed = jax.make_jaxpr(_jitted(make_step(save_only_these_names())))(*args)
     layers = [_layer_backward(body, m) for body, m in _remat_bodies(closed.jaxpr)]
     if not layers:
@@ -243,14 +305,6 @@ def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
     no_remat = jax.make_jaxpr(_jitted(make_step(
         jax.checkpoint_policies.everything_saveable)))(*args)
     return StepGraph(tuple(layers), tuple(tags), _trace.jaxpr_cost(no_remat.jaxpr).flops)
-
-
-def _original_remat() -> Any:
-    """A context with ``jax_remat3`` off (a no-op on JAX versions without the flag)."""
-    from jax._src import config as jax_config  # noqa: PLC0415
-
-    state = getattr(jax_config, "remat3", None)
-    return state(False) if state is not None else contextlib.nullcontext()
 
 
 def _jitted(step: Any) -> Any:
