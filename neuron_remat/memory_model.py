@@ -32,8 +32,8 @@ no recompute), which `korthikanti_terms` itemises:
   the two ``sbh`` masks after attention and MLP are not kept;
 * float32 norm statistics (one float32 per token per norm) that they leave out;
 * without remat, JAX also keeps unfused elementwise intermediates (softmax ``exp``,
-  activation pieces, float32 norm copies). `LayerGraph.no_remat_bytes` counts those for this
-  package's reference implementation; under any ``jax.checkpoint`` policy they are
+  activation pieces, float32 norm copies). `LayerGraph.no_remat_bytes` counts those for the
+  tests' plain-JAX reference layer (tests/cpu/reference.py); under any ``jax.checkpoint`` policy they are
   recomputed, so plans do not depend on them.
 """
 

@@ -35,6 +35,42 @@ def test_flow_is_one_way():
         assert "cli" not in _imports(adapter), adapter.name
 
 
+FIXTURES = pathlib.Path(__file__).resolve().parent  # tests/cpu: reference.py, zoo.py, ...
+
+
+def _all_imports(path: pathlib.Path) -> set[str]:
+    """Every module name `path` imports, absolute or relative (its first component)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                found.add((node.module or "").split(".")[0])
+            elif node.module:
+                found.add(node.module.split(".")[0])
+            else:
+                found.update(a.name for a in node.names)
+    return found
+
+
+def test_test_fixtures_stay_out_of_the_package():
+    fixtures = {p.stem for p in FIXTURES.glob("*.py")
+                if not p.name.startswith(("test_", "conftest"))}
+    assert {"reference", "reference_moe", "small_layer", "zoo"} <= fixtures
+    for path in PACKAGE.rglob("*.py"):
+        bad = _all_imports(path) & (fixtures | {"tests"})
+        assert not bad, f"{path.relative_to(PACKAGE)} imports test fixtures {sorted(bad)}"
+    assert not list(PACKAGE.rglob("reference*.py")), "a reference layer in the package"
+    # What an install ships: find_packages of setup.cfg, and no module named reference*.
+    code = ("import importlib.util, neuron_remat\n"
+            "print([n for n in ('neuron_remat.reference', 'neuron_remat.reference_moe', "
+            "'neuron_remat.testing') if importlib.util.find_spec(n) is not None])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=PACKAGE.parent).stdout.split()
+    assert out == ["[]"]
+
+
 def test_import_touches_no_hardware():
     code = ("import neuron_remat, neuron_remat.plugin, neuron_remat.adapters.flax, "
             "neuron_remat.adapters.equinox, neuron_remat.adapters.axlearn, "
