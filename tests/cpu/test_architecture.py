@@ -12,27 +12,55 @@ ORDER = ["device", "models", "graph", "_jax_compat", "moe", "memory_model", "_tr
 PACKAGE = pathlib.Path(neuron_remat.__file__).parent
 
 
+def _layer_files(name: str) -> list[pathlib.Path]:
+    """The files of layer `name`: a module, or every module of a package (one layer)."""
+    if (PACKAGE / name).is_dir():
+        return sorted((PACKAGE / name).rglob("*.py"))
+    return [PACKAGE / f"{name}.py"]
+
+
 def _imports(path: pathlib.Path) -> set[str]:
-    """neuron_remat modules `path` imports, at any depth (lazy imports count too)."""
+    """The neuron_remat layers (top-level modules or packages) `path` imports, at any depth
+    (lazy imports count too), relative imports resolved from `path`'s own package."""
+    package = ("neuron_remat", *path.relative_to(PACKAGE).parent.parts)
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level >= 1:
-            if node.module:
-                found.add(node.module.split(".")[0])
-            else:
-                found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("neuron_remat."):
-            found.add(node.module.split(".")[1])
+            base = package[:len(package) - node.level + 1]
+            assert base and base[0] == "neuron_remat", f"{path}: import above the package"
+            mods = [(*base, *node.module.split("."))] if node.module else \
+                [(*base, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            mods = [tuple((node.module or "").split("."))]
+        elif isinstance(node, ast.Import):
+            mods = [tuple(a.name.split(".")) for a in node.names]
+        else:
+            continue
+        found.update(m[1] for m in mods if len(m) > 1 and m[0] == "neuron_remat")
     return found
 
 
 def test_flow_is_one_way():
+    assert (PACKAGE / "models").is_dir()  # a package is one layer, between device and graph
+    assert ORDER.index("device") < ORDER.index("models") < ORDER.index("graph")
     for i, name in enumerate(ORDER):
         right = set(ORDER[i + 1:]) | ({"adapters"} if i < ORDER.index("plugin") else set())
-        bad = _imports(PACKAGE / f"{name}.py") & right
-        assert not bad, f"{name}.py imports {sorted(bad)}, to its right"
+        files = _layer_files(name)
+        assert files and all(f.exists() for f in files), name
+        for path in files:
+            bad = _imports(path) & right
+            assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}, to its right"
     for adapter in (PACKAGE / "adapters").glob("*.py"):
         assert "cli" not in _imports(adapter), adapter.name
+
+
+def test_the_import_check_sees_package_layers():
+    # The check above must see through a package: a submodule's `from ..graph import x`
+    # is an import of the graph layer, `from .config import y` one of its own package.
+    sub = PACKAGE / "models" / "config.py"
+    assert "device" in _imports(PACKAGE / "models" / "tags.py")
+    assert _imports(sub) <= {"models", "device"}, _imports(sub)
+    assert "models" in _imports(PACKAGE / "graph.py")
 
 
 FIXTURES = pathlib.Path(__file__).resolve().parent  # tests/cpu: reference.py, zoo.py, ...
