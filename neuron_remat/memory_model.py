@@ -33,8 +33,8 @@ no recompute), which `korthikanti_terms` itemises:
 * float32 norm statistics (one float32 per token per norm) that they leave out;
 * without remat, JAX also keeps unfused elementwise intermediates (softmax ``exp``,
   activation pieces, float32 norm copies). `LayerGraph.no_remat_bytes` counts those for the
-  tests' plain-JAX reference layer (tests/cpu/reference.py); under any ``jax.checkpoint`` policy they are
-  recomputed, so plans do not depend on them.
+  tests' plain-JAX reference layer (tests/cpu/reference.py); under any ``jax.checkpoint``
+  policy they are recomputed, so plans do not depend on them.
 """
 
 
@@ -333,7 +333,8 @@ def _layers_per_core(config: TransformerConfig, par: Parallelism) -> float:
 
     tp, shards = par.tp, par.tp * par.fsdp
     mult = 3 if config.gated_ffn else 2
-    norms = (4 if config.sandwich_norm else 2) * config.hidden * (1 if config.norm == "rms" else 2)
+    norms = (4 if config.details.sandwich_norm else 2) * config.hidden * (
+        1 if config.norm == "rms" else 2)
     h, m = config.hidden, config.mla
     if m is not None:  # the latent down-projections and their norms are replicated over tp
         replicated = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + (
@@ -343,7 +344,7 @@ def _layers_per_core(config: TransformerConfig, par: Parallelism) -> float:
         assert config.kv_heads is not None and config.head_dim is not None
         kv = config.kv_heads // tp if config.kv_heads % tp == 0 else 1
         kv_params = 2 * h * config.head_dim * config.kv_heads + (
-            2 * config.head_dim * config.kv_heads if config.qkv_bias else 0)
+            2 * config.head_dim * config.kv_heads if config.details.qkv_bias else 0)
         attn = (config.attention_params() - kv_params) / tp + kv_params * kv / config.kv_heads
     dense = mult * config.hidden * config.ffn
     best = 0.0

@@ -12,8 +12,8 @@
 Every public name is importable from ``neuron_remat.models`` itself.
 """
 
-from .config import (_ROUTERS, ACTIVATIONS, MLAConfig, MoEConfig, TransformerConfig,
-                     dtype_bytes)
+from .config import (_ROUTERS, ACTIVATIONS, ContextLimits, LayerDetails, MLAConfig, MoEConfig,
+                     TransformerConfig, dtype_bytes)
 from .tags import (_ALL_ROLES, AXLEARN_NEURON_TAGS, AXLEARN_TAGS, MAXTEXT_NEURON_TAGS,
                    MAXTEXT_TAGS, MLA_ROLES, MOE_ROLES, ROLES, TagNames, host_of, host_tags)
 from .shapes import (_FLOAT_DTYPES, _MAX_OPT_BYTES, _MAX_SIZE, _OPTIMIZERS, _SCHEDULES,
@@ -27,6 +27,8 @@ __all__ = [
     "MAXTEXT_NEURON_TAGS",
     "MAXTEXT_TAGS",
     "ACTIVATIONS",
+    "ContextLimits",
+    "LayerDetails",
     "MLAConfig",
     "MODELS",
     "MLA_ROLES",

@@ -1,9 +1,13 @@
 """What one decoder layer looks like, as far as activation memory is concerned:
-`TransformerConfig`, composed of its family extras (`MoEConfig` for mixture-of-experts
-feed-forward blocks, `MLAConfig` for multi-head latent attention)."""
+`TransformerConfig`, composed of its family extras: `MoEConfig` (mixture-of-experts
+feed-forward blocks), `MLAConfig` (multi-head latent attention), `LayerDetails` (biases and
+extra norms some families have, which change parameter counts only) and `ContextLimits`
+(what a ``config.json`` says of sequence lengths)."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -125,6 +129,57 @@ class MLAConfig:
 
 
 @dataclass(frozen=True)
+class LayerDetails:
+    """Per-family details of a layer that change its parameter count (and so the model
+    state), not the activations planned.
+
+    Attributes:
+        qkv_bias: biases on the q, k and v projections (Qwen2, Qwen2.5, Qwen2-MoE).
+        qk_norm: RMS norms on q and k per head (Qwen3, Gemma 3, OLMo 2).
+        sandwich_norm: norms after attention and the feed-forward block too (Gemma 2/3).
+    """
+
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sandwich_norm: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("qkv_bias", "qk_norm", "sandwich_norm"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"layer details: {key}={getattr(self, key)!r} must be True "
+                                 "or False")
+
+
+@dataclass(frozen=True)
+class ContextLimits:
+    """What a ``config.json`` says of sequence lengths (None: not said). Not modelled, but
+    `shape_notes` tells a plan when its ``seq_len`` goes past them.
+
+    Attributes:
+        max_positions: ``max_position_embeddings``.
+        sliding_window: the window of the sliding-window attention layers.
+        sliding_layers: how many layers use it (None: all of them).
+    """
+
+    max_positions: int | None = None
+    sliding_window: int | None = None
+    sliding_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("max_positions", "sliding_window", "sliding_layers"):
+            if getattr(self, key) is not None:
+                _positive("context limits", **{key: getattr(self, key)})
+
+
+_FLAT_EXTRAS = {"qkv_bias": "details", "qk_norm": "details", "sandwich_norm": "details",
+                "max_positions": "limits", "sliding_window": "limits",
+                "sliding_layers": "limits"}
+"""`TransformerConfig` keywords kept from before the extras were composed: each sets that
+field of its group (``TransformerConfig(qk_norm=True)`` is
+``TransformerConfig(details=LayerDetails(qk_norm=True))``) and reads back as a property."""
+
+
+@dataclass(frozen=True)
 class TransformerConfig:
     """A decoder-only transformer, as far as activation memory is concerned.
 
@@ -134,6 +189,11 @@ class TransformerConfig:
     the float32 log-sum-exp. `fused_qkv` means one matmul produces q, k and v together
     (axlearn's ``FusedQKVLinear``/``FusedGroupedQKVLinear``), which are then sliced out and
     tagged: saving one slice avoids no matmul, saving all three avoids it.
+
+    Family extras are composed, not flattened: `moe` (None: a dense feed-forward block),
+    `mla` (None: grouped-query attention), `details` and `limits`. The keywords
+    ``qkv_bias``, ``qk_norm``, ``sandwich_norm``, ``max_positions``, ``sliding_window`` and
+    ``sliding_layers`` are still accepted and read, as shorthands for their group's field.
     """
 
     hidden: int
@@ -154,22 +214,21 @@ class TransformerConfig:
     source: str = ""
     default_seq_len: int | None = None
     fused_qkv: bool = False
-    # Mixture of experts, latent attention and per-family details (param_count exactness).
+    # The family extras.
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
-    qkv_bias: bool = False  # Qwen2 / Qwen2.5 / Qwen2-MoE
-    qk_norm: bool = False  # RMS norms on q and k per head (Qwen3, Gemma 3)
-    sandwich_norm: bool = False  # norms after attention and feed-forward too (Gemma 2/3)
-    # What config.json says of sequence lengths (None: not said). Not modelled, but
-    # `shape_notes` tells a plan when its seq_len goes past them.
-    max_positions: int | None = None  # max_position_embeddings
-    sliding_window: int | None = None  # the window of sliding-window attention layers
-    sliding_layers: int | None = None  # how many layers use it (None: all of them)
+    details: LayerDetails = LayerDetails()
+    limits: ContextLimits = ContextLimits()
 
     def __post_init__(self) -> None:
         _positive(f"model {self.name!r}", hidden=self.hidden, heads=self.heads)
-        for key in ("kv_heads", "head_dim", "max_positions", "sliding_window",
-                    "sliding_layers"):
+        for key, kind in (("moe", MoEConfig), ("mla", MLAConfig), ("details", LayerDetails),
+                          ("limits", ContextLimits)):
+            value = getattr(self, key)
+            if not (isinstance(value, kind) or (value is None and key in ("moe", "mla"))):
+                raise ValueError(f"model {self.name!r}: {key}={value!r} is not a "
+                                 f"{kind.__name__}")
+        for key in ("kv_heads", "head_dim"):
             if getattr(self, key) is not None:
                 _positive(f"model {self.name!r}", **{key: getattr(self, key)})
         if self.kv_heads is None:
@@ -201,6 +260,18 @@ class TransformerConfig:
             if late:
                 raise ValueError(f"model {self.name!r}: dense_layers {late} are past the "
                                  f"last layer ({self.layers - 1})")
+
+    # The flat spellings of the extras (see `_FLAT_EXTRAS`).
+    qkv_bias = property(lambda self: self.details.qkv_bias, doc="`LayerDetails.qkv_bias`")
+    qk_norm = property(lambda self: self.details.qk_norm, doc="`LayerDetails.qk_norm`")
+    sandwich_norm = property(lambda self: self.details.sandwich_norm,
+                             doc="`LayerDetails.sandwich_norm`")
+    max_positions = property(lambda self: self.limits.max_positions,
+                             doc="`ContextLimits.max_positions`")
+    sliding_window = property(lambda self: self.limits.sliding_window,
+                              doc="`ContextLimits.sliding_window`")
+    sliding_layers = property(lambda self: self.limits.sliding_layers,
+                              doc="`ContextLimits.sliding_layers`")
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -259,9 +330,9 @@ class TransformerConfig:
                   + m.kv_lora_rank * self.heads * (m.qk_nope_head_dim + m.v_head_dim))
             return q + kv + self.heads * m.v_head_dim * h
         attn = h * d * (2 * self.heads + 2 * self.kv_heads)
-        if self.qkv_bias:
+        if self.details.qkv_bias:
             attn += d * (self.heads + 2 * self.kv_heads)
-        if self.qk_norm:
+        if self.details.qk_norm:
             attn += 2 * d
         return attn
 
@@ -276,7 +347,8 @@ class TransformerConfig:
                 + (h if m.shared_gate else 0))
 
     def params_per_layer(self, kind: str = "dense") -> int:
-        norms = (4 if self.sandwich_norm else 2) * self.hidden * (1 if self.norm == "rms" else 2)
+        norms = (4 if self.details.sandwich_norm else 2) * self.hidden * (
+            1 if self.norm == "rms" else 2)
         return self.attention_params() + self.ffn_params(kind) + norms
 
     def embedding_params(self) -> int:
@@ -296,3 +368,27 @@ class TransformerConfig:
         m, mult = self.moe, 3 if self.gated_ffn else 2
         idle = (m.experts - m.experts_per_token) * mult * self.hidden * m.expert_ffn
         return self.param_count() - self.layer_kinds().get("moe", 0) * idle
+
+
+def _accept_flat_extras(init: Any) -> Any:
+    """Wrap the generated ``__init__`` so that the flat keywords of `_FLAT_EXTRAS` build
+    (or update) the group they belong to."""
+
+    @functools.wraps(init)
+    def __init__(self: TransformerConfig, *args: Any, **kw: Any) -> None:
+        groups: dict[str, dict[str, Any]] = {}
+        for key in [k for k in kw if k in _FLAT_EXTRAS]:
+            groups.setdefault(_FLAT_EXTRAS[key], {})[key] = kw.pop(key)
+        for group, values in groups.items():
+            base = kw.get(group, LayerDetails() if group == "details" else ContextLimits())
+            try:
+                kw[group] = dataclasses.replace(base, **values)
+            except (ValueError, TypeError) as err:
+                raise ValueError(f"model {kw.get('name', 'custom')!r}: {err}") from None
+        init(self, *args, **kw)
+
+    return __init__
+
+
+TransformerConfig.__init__ = (  # type: ignore[method-assign]
+    _accept_flat_extras(TransformerConfig.__init__))

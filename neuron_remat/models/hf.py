@@ -13,7 +13,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from .config import _ROUTERS, MLAConfig, MoEConfig, TransformerConfig
+from .config import (_ROUTERS, ContextLimits, LayerDetails, MLAConfig, MoEConfig,
+                     TransformerConfig)
 
 logger = logging.getLogger(__name__)
 
@@ -305,10 +306,10 @@ def _from_hf_config(cfg: Mapping[str, Any], name: str | None, source: str, text_
         activation=_HF_ACTIVATIONS[act_name],
         name=name or f.str("_name_or_path") or model_type or "hf-model",
         source=source, flash_attention=True, moe=moe, mla=mla,
-        qkv_bias=f.bool("attention_bias", family.get("qkv_bias", False)),
-        qk_norm=family.get("qk_norm", False),
-        sandwich_norm=family.get("sandwich_norm", False),
-        **_hf_positions(f, layers, model_type),
+        details=LayerDetails(qkv_bias=f.bool("attention_bias", family.get("qkv_bias", False)),
+                             qk_norm=family.get("qk_norm", False),
+                             sandwich_norm=family.get("sandwich_norm", False)),
+        limits=_hf_limits(f, layers, model_type),
     )
     if mla is not None:
         kw["head_dim"] = None  # MLA's per-head q/k width is nope + rope
@@ -329,7 +330,7 @@ def _warn_once_per_type(model_type: str, source: str) -> None:
                    model_type or "(none)", ", ".join(_FAMILIES))
 
 
-def _hf_positions(f: _Fields, layers: int, model_type: str) -> dict[str, Any]:
+def _hf_limits(f: _Fields, layers: int, model_type: str) -> ContextLimits:
     """max_position_embeddings, and the sliding window where the config turns it on
     (Qwen's ``use_sliding_window``; Gemma's and Qwen2-MoE's ``layer_types``)."""
     out: dict[str, Any] = {"max_positions": f.int("max_position_embeddings", None)}
@@ -345,7 +346,7 @@ def _hf_positions(f: _Fields, layers: int, model_type: str) -> dict[str, Any]:
         elif model_type == "gemma3_text":  # all but every `sliding_window_pattern`-th
             count = layers - layers // f.int("sliding_window_pattern", 6)
         out.update(sliding_window=window, sliding_layers=count if window else None)
-    return out
+    return ContextLimits(**out)
 
 def load_hf_config(path: str | os.PathLike[str], *, name: str | None = None,
                    text_only: bool = False, **overrides: Any) -> TransformerConfig:

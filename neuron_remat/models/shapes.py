@@ -241,14 +241,14 @@ def shape_notes(config: TransformerConfig, shape: StepShape) -> tuple[str, ...]:
     modelled: attention is planned as full causal attention, an upper bound)."""
     notes = []
     seq = shape.seq_len
-    if config.max_positions is not None and seq > config.max_positions:
+    if config.limits.max_positions is not None and seq > config.limits.max_positions:
         notes.append(f"seq_len {seq} is past {config.name}'s max_position_embeddings "
-                     f"{config.max_positions} ({config.source or 'its config'}): the model "
+                     f"{config.limits.max_positions} ({config.source or 'its config'}): the model "
                      "was not trained on positions that far; planned as asked")
-    if config.sliding_window is not None and seq > config.sliding_window:
-        which = ("every layer" if config.sliding_layers is None
-                 else f"{config.sliding_layers} of {config.layers} layers")
-        notes.append(f"sliding_window {config.sliding_window} ({which}) is shorter than "
+    if config.limits.sliding_window is not None and seq > config.limits.sliding_window:
+        which = ("every layer" if config.limits.sliding_layers is None
+                 else f"{config.limits.sliding_layers} of {config.layers} layers")
+        notes.append(f"sliding_window {config.limits.sliding_window} ({which}) is shorter than "
                      f"seq_len {seq} and is not modelled: attention is planned as full "
                      "causal attention (an upper bound on its memory and FLOPs)")
     return tuple(notes)
