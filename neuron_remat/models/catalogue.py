@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .config import MLAConfig, MoEConfig, TransformerConfig
+from .config import LayerDetails, MLAConfig, MoEConfig, TransformerConfig
 
 _AXLEARN_FUJI = ("apple/axlearn axlearn/experiments/text/gpt/fuji.py (num_layers, "
                  "hidden_dim=128*heads, scaled_hidden_dim 8/3 or 3.5 rounded to 256, "
@@ -59,7 +59,7 @@ for _m in (
                          dense_layers=(0, 1, 2), router="sigmoid", router_bias=True),
            source=_HF.format("deepseek-ai/DeepSeek-V3") + "; 671B total (model card)"),
     _model("qwen3-30b-a3b", hidden=2048, heads=32, kv_heads=4, head_dim=128, ffn=6144,
-           layers=48, vocab=151936, qk_norm=True, default_seq_len=4096,
+           layers=48, vocab=151936, details=LayerDetails(qk_norm=True), default_seq_len=4096,
            moe=MoEConfig(experts=128, experts_per_token=8, expert_ffn=768),
            source=_HF.format("Qwen/Qwen3-30B-A3B") + "; 30.5B total (model card)"),
     # Text decoder only: 16 experts top-1 plus a shared expert in all 48 layers
