@@ -7,7 +7,8 @@ import sys
 
 import neuron_remat
 
-ORDER = ["device", "models", "graph", "_jax_compat", "moe", "memory_model", "_trace", "_regex",
+ORDER = ["device", "models", "graph", "_jax_compat", "_analytic", "moe", "memory_model", "_trace",
+         "_regex",
          "policies", "stack", "audit", "planner", "fit", "multihost", "plugin", "cli"]
 PACKAGE = pathlib.Path(neuron_remat.__file__).parent
 
@@ -119,3 +120,16 @@ def test_runtime_requirements_are_jax_and_numpy_only():
     assert sorted(r.split(">")[0].split("=")[0].strip() for r in runtime) == ["jax", "numpy"]
     for req in requires("neuron-remat"):
         assert "neuronx" not in req and "libneuronxla" not in req
+
+
+def test_one_analytic_builder():
+    # Dense, MoE and MLA layers are all built by `_analytic`: the modules that plan with
+    # described layers construct no graph values or ops of their own.
+    for name in ("memory_model", "moe"):
+        tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+        built = {node.func.id for node in ast.walk(tree) if isinstance(node, ast.Call)
+                 and isinstance(node.func, ast.Name) and node.func.id in ("Op", "Value")}
+        assert not built, f"{name}.py builds {sorted(built)} itself"
+    tree = ast.parse((PACKAGE / "_analytic.py").read_text())
+    assert {"Op", "Value"} <= {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call)
+                               and isinstance(n.func, ast.Name)}
