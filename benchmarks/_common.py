@@ -10,6 +10,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -18,6 +19,11 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "out"
+# The plain-JAX reference layers are test fixtures (tests/cpu/reference*.py), not part of
+# the package: the benchmarks import them from there.
+FIXTURES = REPO / "tests" / "cpu"
+if str(FIXTURES) not in sys.path:
+    sys.path.insert(0, str(FIXTURES))
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The remat frontier: how close the planner's policy is to the best possible, in one run.
 
-On a stack of reference decoder layers (`neuron_remat.reference`: GQA, gated SiLU FFN,
+On a stack of reference decoder layers (`reference` (tests/cpu/reference.py): GQA, gated SiLU FFN,
 axlearn-style tags), for every policy this compiles the gradient step
 ``jax.jit(jax.grad(loss)).lower(...).compile()`` on the CPU backend and records:
 
@@ -73,7 +73,7 @@ from jax._src.ad_checkpoint import saved_residuals  # noqa: E402
 
 import _common as C  # noqa: E402
 import neuron_remat as nr  # noqa: E402
-from neuron_remat import reference as ref  # noqa: E402
+import reference as ref  # noqa: E402
 from neuron_remat.memory_model import LayerGraph, Value, layer_graph  # noqa: E402
 
 NAME = "frontier"

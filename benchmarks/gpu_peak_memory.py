@@ -71,7 +71,7 @@ def worker(size: str, layers: int, dtype: str, budgets: int, name: str) -> dict[
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
-    from neuron_remat import reference as ref  # noqa: PLC0415
+    import reference as ref  # noqa: PLC0415
 
     device = gpu_devices()[0]
     bench = _bench(size, (layers,), dtype, device)

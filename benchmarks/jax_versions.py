@@ -11,14 +11,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from neuron_remat import _trace, models
 from neuron_remat import policies as pol
-from neuron_remat import reference as ref
 from neuron_remat._audit import audit
+
+# The reference layer is a test fixture (tests/cpu/reference.py).
+if str(Path(__file__).resolve().parents[1] / "tests" / "cpu") not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "cpu"))
+import reference as ref  # noqa: E402
 
 # The layer of tests/cpu/test_policies.py, and the scanned stack of test_memory_model.py
 # (XLA counts a scan body once, so the stack's FLOPs are one layer's).

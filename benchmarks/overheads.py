@@ -171,7 +171,7 @@ def trace_overhead(layers: int, repeat: int, scan: bool) -> dict[str, Any]:
     import jax.numpy as jnp  # noqa: PLC0415
 
     import neuron_remat as nr  # noqa: PLC0415
-    from neuron_remat import reference as ref  # noqa: PLC0415
+    import reference as ref  # noqa: PLC0415
 
     size = C.SIZES["small"]
     config = size.config(layers)
@@ -220,7 +220,7 @@ def policy_call_cost() -> dict[str, Any]:
     from jax._src.ad_checkpoint import name_p  # noqa: PLC0415
 
     import neuron_remat as nr  # noqa: PLC0415
-    from neuron_remat import reference as ref  # noqa: PLC0415
+    import reference as ref  # noqa: PLC0415
 
     size = C.SIZES["small"]
     config = size.config(4)

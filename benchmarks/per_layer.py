@@ -1,6 +1,6 @@
 """Per-layer plans against uniform ones, compiled on this machine (XLA:CPU).
 
-An 8-layer scanned decoder (hidden 128, batch 4 x 256 tokens) (`neuron_remat.reference.layer`, grouped-KV attention, SwiGLU)
+An 8-layer scanned decoder (hidden 128, batch 4 x 256 tokens) (`reference.layer` (tests/cpu/reference.py), grouped-KV attention, SwiGLU)
 is compiled with `neuron_remat.scan_layers`:
 
 1. k of 8 layers with no remat and the rest saving every tag, k = 0, 2, 4, 6, 8: the
@@ -30,9 +30,10 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "cpu"))  # reference
 
 import neuron_remat as nr  # noqa: E402
-from neuron_remat import reference as ref  # noqa: E402
+import reference as ref  # noqa: E402
 
 CFG = nr.TransformerConfig(hidden=128, heads=4, kv_heads=2, ffn=384, layers=8, vocab=64,
                            name="per-layer-decoder", flash_attention=False)

@@ -64,7 +64,7 @@ def audit_vs_layers(layers: Sequence[int], repeat: int) -> list[dict[str, Any]]:
     import jax.numpy as jnp  # noqa: PLC0415
 
     import neuron_remat as nr  # noqa: PLC0415
-    from neuron_remat import reference as ref  # noqa: PLC0415
+    import reference as ref  # noqa: PLC0415
 
     config = TINY.config(max(layers))
     shapes = jax.eval_shape(lambda k: ref.init_layer(k, config), jax.random.PRNGKey(0))
@@ -140,7 +140,7 @@ def _traced_layer(tags: int, size: C.Size) -> tuple[Any, tuple[Any, ...], list[s
     """(fn, args, tag subset) of a traced layer with 9 or 16 tags."""
     import jax  # noqa: PLC0415
 
-    from neuron_remat import reference as ref  # noqa: PLC0415
+    import reference as ref  # noqa: PLC0415
 
     config = size.config(2)
     rng = np.random.default_rng(0)

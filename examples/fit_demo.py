@@ -1,5 +1,5 @@
 """`neuron_remat.fit` on a training step of our own: a scanned decoder (grouped-KV causal
-attention, SwiGLU feed-forward, `neuron_remat.reference.layer`), the embedding and head,
+attention, SwiGLU feed-forward, `reference.layer` (tests/cpu/reference.py)), the embedding and head,
 cross-entropy, and AdamW inside the jitted step with the state donated.
 
     python examples/fit_demo.py [--hbm 32MiB] [--json]
@@ -26,9 +26,13 @@ import jax.numpy as jnp
 
 if __package__ in (None, "") and str(Path(__file__).resolve().parents[1]) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The decoder layer is the tests' plain-JAX reference layer (tests/cpu/reference.py; a test
+# fixture, not part of the installed package).
+if str(Path(__file__).resolve().parents[1] / "tests" / "cpu") not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "cpu"))
 
 import neuron_remat as nr  # noqa: E402
-from neuron_remat import reference  # noqa: E402
+import reference  # noqa: E402
 
 __all__ = ["CONFIG", "SMALL", "abstract_args", "factory", "main", "make_step_factory",
            "small_factory"]

@@ -6,7 +6,7 @@ Run it with the default simulated device (one TRN2 core with 40 MiB of HBM) or a
     python examples/flax_demo.py [--steps N] [--unrolled]
     NEURON_REMAT_DEVICE=trn2.48xlarge:hbm=48MiB:cores=1 python examples/flax_demo.py
 
-The block mirrors `neuron_remat.reference.layer` op for op (pre-norm RMSNorm in float32,
+The block mirrors `reference.layer` (tests/cpu/reference.py) op for op (pre-norm RMSNorm in float32,
 grouped-KV causal attention with a float32 softmax, gated SiLU feed-forward), with the same
 parameter shapes and the same axlearn tags, so the analytic plan's predictions describe
 this model. The block class is wrapped with ``neuron_remat.adapters.flax.remat(Block,
@@ -53,7 +53,12 @@ from jax.ad_checkpoint import checkpoint_name
 
 import neuron_remat as nr
 from neuron_remat.adapters.flax import remat as nr_remat
-from neuron_remat.reference import tag_names
+
+# The tag names of the tests' reference layer (tests/cpu/reference.py, a test fixture).
+_FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "cpu")
+if _FIXTURES not in sys.path:
+    sys.path.insert(0, _FIXTURES)
+from reference import tag_names  # noqa: E402
 
 __all__ = [
     "CONFIG",
@@ -119,7 +124,7 @@ LEARNING_RATE = 0.5
 
 
 def _rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """RMSNorm computed in float32, as `neuron_remat.reference._norm` does."""
+    """RMSNorm computed in float32, as `reference._norm` (tests/cpu/reference.py) does."""
     xf = x.astype(jnp.float32)
     var = jnp.mean(xf * xf, axis=-1, keepdims=True)
     return (xf * jax.lax.rsqrt(var + 1e-6) * scale.astype(jnp.float32)).astype(x.dtype)
@@ -132,7 +137,7 @@ def _normal(fan_in: int) -> Callable[[jax.Array, Sequence[int], Any], jax.Array]
 
 
 class Block(nn.Module):
-    """One pre-norm decoder block: the math of `neuron_remat.reference.layer`, with the
+    """One pre-norm decoder block: the math of `reference.layer` (tests/cpu/reference.py), with the
     same parameter shapes and the same ``checkpoint_name`` tags (axlearn's names)."""
 
     config: nr.TransformerConfig
@@ -194,7 +199,7 @@ class Decoder(nn.Module):
     logits of shape (batch, seq, vocab).
 
     ``scan=True`` runs the blocks in ``nn.scan`` (parameters stacked on a leading layer
-    axis, as `neuron_remat.reference.stack` lays them out); ``scan=False`` unrolls them.
+    axis, as `reference.stack` (tests/cpu/reference.py) lays them out); ``scan=False`` unrolls them.
     """
 
     config: nr.TransformerConfig

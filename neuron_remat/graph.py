@@ -4,9 +4,9 @@ A `LayerGraph` holds the values of one layer (tensors, per core), the ops that p
 with their FLOPs, and what each op's backward reads. For any choice of saved tags it answers
 what JAX's ``jax.checkpoint`` does: a value the backward reads is kept when it is a layer
 input or a saved tag, otherwise it is recomputed from its inputs, which are then read in
-turn. Two builders make these graphs: the analytic one (`memory_model.layer_graph`) and the
-jaxpr one (`_trace`). A `Footprint` is the per-tag view of a graph (or of measured figures)
-that the planner searches.
+turn. Two builders make these graphs: the analytic one (`_analytic.layer_graph`, behind
+`memory_model.layer_graph`) and the jaxpr one (`_trace`). A `Footprint` is the per-tag
+view of a graph (or of measured figures) that the planner searches.
 """
 
 from __future__ import annotations
@@ -582,7 +582,7 @@ def op_kind(op: Op, graph: LayerGraph) -> str:
         return "copy"
     if prim == "convert_element_type" and op.flops == 0:
         return "layout"  # a weak-type change: no instruction
-    # the analytic builders' names (`moe`)
+    # the analytic builder's ops it leaves to inference (`_analytic`: router, top-k, routing)
     if prim == "flash_attention":
         return "matmul"
     if prim.endswith(("activation", "softmax")):

@@ -32,9 +32,9 @@ no recompute), which `korthikanti_terms` itemises:
   the two ``sbh`` masks after attention and MLP are not kept;
 * float32 norm statistics (one float32 per token per norm) that they leave out;
 * without remat, JAX also keeps unfused elementwise intermediates (softmax ``exp``,
-  activation pieces, float32 norm copies). `LayerGraph.no_remat_bytes` counts those for this
-  package's reference implementation; under any ``jax.checkpoint`` policy they are
-  recomputed, so plans do not depend on them.
+  activation pieces, float32 norm copies). `LayerGraph.no_remat_bytes` counts those for the
+  tests' plain-JAX reference layer (tests/cpu/reference.py); under any ``jax.checkpoint``
+  policy they are recomputed, so plans do not depend on them.
 """
 
 
@@ -46,8 +46,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import _analytic
+from ._analytic import FLASH_BLOCK, flash_forward_flops, flash_score_elements  # noqa: F401
 from .device import GiB, DeviceSpec
-from .graph import Footprint, LayerGraph, Op, TagCost, Value
+from .graph import Footprint, LayerGraph, TagCost
 from .models import Parallelism, StepShape, TransformerConfig, dtype_bytes
 
 __all__ = [
@@ -69,164 +71,10 @@ logger = logging.getLogger(__name__)
 
 def layer_graph(config: TransformerConfig, shape: StepShape,
                 parallelism: Parallelism | None = None) -> LayerGraph:
-    """Build the per-core graph of one layer of `config` (for a model with experts or
-    latent attention: `moe.layer_graph`, the kind most of its layers are)."""
-    if config.moe is not None or config.mla is not None:
-        from . import moe  # noqa: PLC0415
-
-        return moe.layer_graph(config, shape, parallelism)
-    par = parallelism or Parallelism()
-    par.check(config, shape)
-    assert config.kv_heads is not None and config.head_dim is not None
-    act = shape.activation_dtype
-    f32 = act == "float32"
-    cvt = 0 if f32 else 1  # a dtype conversion costs one op per element where it happens
-    b, s, h = shape.micro_batch, shape.seq_len, config.hidden
-    tp = par.tp
-    sp = tp if par.sequence_parallel else 1
-    t_full, t_rep = b * s, b * s // sp  # tokens per core inside / outside the tp regions
-    heads = config.heads // tp
-    kv = config.kv_heads // tp if config.kv_heads % tp == 0 else 1
-    d, f = config.head_dim, config.ffn // tp
-    emitted = set(config.roles)  # roles the host tags in this layer
-    ebytes = dtype_bytes(act)
-
-    values: dict[str, Value] = {}
-    ops: list[Op] = []
-
-    def val(name: str, shp: tuple[int, ...], role: str | None = None, dtype: str = act,
-            **kw: Any) -> str:
-        values[name] = Value(name, shp, dtype, role if role in emitted else None, **kw)
-        return name
-
-    def norm(name: str, src: str) -> str:
-        n = t_rep * h
-        per_elem = (4 if config.norm == "rms" else 7) + 2 * cvt
-        stats = t_rep * 4
-        # Without remat, JAX keeps the float32 normalised values and statistics (and the
-        # centred values for LayerNorm, which then never reads its input); with narrower
-        # activations it reads a float32 copy of the input rather than the input itself.
-        internal = (("float32 normalised values", n * 4), ("float32 norm statistics", 2 * stats),
-                    ("broadcast norm scale", h * 4))
-        if config.norm == "layer":
-            internal += (("float32 centred values", n * 4),)
-        elif not f32:
-            internal += (("float32 copy of the norm input", n * 4),)
-        out = val(f"{name}_out", (t_rep, h))
-        reads_input = f32 and config.norm == "rms"
-        ops.append(Op(name, (src,), out, per_elem * n + t_rep,
-                      needs=(src,) if reads_input else (), internal=internal,
-                      kind="elementwise", parts=(("elementwise", per_elem * n),
-                                                 ("transcendental", t_rep))))
-        return out
-
-    def matmul(name: str, src: str, out_shape: tuple[int, ...], contract: int,
-               role: str | None, batch: bool = False, reads: tuple[str, ...] | None = None,
-               inputs: tuple[str, ...] | None = None) -> str:
-        out = val(name, out_shape, role, dot=True, batch_dot=batch)
-        ops.append(Op(f"{name}_matmul", inputs or (src,), out,
-                      2 * math.prod(out_shape) * contract, needs=reads or (src,),
-                      kind="matmul"))
-        return out
-
-    x = val("x", (t_rep, h), "input")
-    n1 = norm("norm1", x)
-    if config.fused_qkv:
-        q, k, v = _fused_qkv(val, matmul, ops, n1, t_full, heads, kv, d, h)
-    else:
-        q = matmul("q", n1, (t_full, heads, d), h, "q_proj")
-        k = matmul("k", n1, (t_full, kv, d), h, "k_proj")
-        v = matmul("v", n1, (t_full, kv, d), h, "v_proj")
-    if config.flash_attention:
-        lse = b * heads * s * 4
-        ctx = val("context", (t_full, heads, d), "context", extra_bytes=lse)
-        attn = flash_forward_flops(b, s, heads, d, causal=config.causal, convert=bool(cvt))
-        scores = b * heads * flash_score_elements(s, causal=config.causal)
-        ops.append(Op("flash_attention", (q, k, v), ctx, attn, needs=(q, k, v, ctx),
-                      kind="matmul", parts=(("matmul", 4 * d * scores),
-                                            ("transcendental", scores),
-                                            ("elementwise", attn - (4 * d + 1) * scores))))
-    else:
-        scores = matmul("scores", q, (b, heads, s, s), d, None, batch=True, reads=(q, k),
-                        inputs=(q, k))
-        elems = b * heads * s * s
-        # scale, causal select, softmax (max, subtract, sum, divide), conversions
-        sm_flops = elems * (5 + (1 if config.causal else 0) + 2 * cvt)
-        probs = val("probs", (b, heads, s, s))
-        small = b * heads * s * 4
-        internal = (("softmax exp (float32)", elems * 4), ("softmax row sums (float32)", 2 * small))
-        if config.causal:
-            internal += (("causal mask (bool)", elems), ("masked scores", elems * ebytes))
-        ops.append(Op("softmax", (scores,), probs, sm_flops, internal=internal,
-                      kind="transcendental", parts=(("transcendental", elems),
-                                                    ("elementwise", sm_flops - elems))))
-        ctx = matmul("context", probs, (t_full, heads, d), s, "context", batch=True,
-                     reads=(probs, v), inputs=(probs, v))
-    # Output projections run over all t_full tokens per core, then reduce-scatter to t_rep.
-    o = matmul("o", ctx, (t_rep, h), heads * d * sp, "o_proj")
-    x1 = val("x1", (t_rep, h))
-    ops.append(Op("residual1", (x, o), x1, t_rep * h, kind="elementwise"))
-    n2 = norm("norm2", x1)
-    a = matmul("linear1_0", n2, (t_full, f), h, "linear1_0")
-    n_ff = t_full * f
-    pieces = 2 if config.activation == "silu" else 4  # what jax.nn.silu / gelu keep
-    act_flops = 4 if config.activation == "silu" else 8
-    gate = val("gated", (t_full, f))
-    if config.gated_ffn:
-        g_in = matmul("linear1_1", n2, (t_full, f), h, "linear1_1")
-        internal = (("activation pieces", (pieces + 1) * n_ff * ebytes),)
-        ops.append(Op("activation", (a, g_in), gate, (act_flops + 1) * n_ff,
-                      needs=(a, g_in), internal=internal, kind="transcendental",
-                      parts=(("transcendental", n_ff), ("elementwise", act_flops * n_ff))))
-    else:
-        internal = (("activation pieces", pieces * n_ff * ebytes),)
-        ops.append(Op("activation", (a,), gate, act_flops * n_ff, needs=(a,),
-                      internal=internal, kind="transcendental",
-                      parts=(("transcendental", n_ff), ("elementwise", (act_flops - 1) * n_ff))))
-    y = matmul("linear2", gate, (t_rep, h), f * sp, "linear2")
-    out = val("out", (t_rep, h))
-    ops.append(Op("residual2", (x1, y), out, t_rep * h, kind="elementwise"))
-    return LayerGraph(values=values, ops=tuple(ops))
-
-
-FLASH_BLOCK = 128  # query rows per block of a flash-attention kernel
-
-
-def flash_score_elements(s: int, *, causal: bool = True, block: int = FLASH_BLOCK) -> int:
-    """Score elements a flash-attention forward computes per head: all ``s x s`` of them, or
-    with a causal mask, for each block of `block` query rows, the keys up to its last row."""
-    elems = 0
-    for start in range(0, s, block):
-        rows = min(start + block, s) - start
-        elems += rows * (min(start + block, s) if causal else s)
-    return elems
-
-
-def flash_forward_flops(b: int, s: int, heads: int, d: int, *, causal: bool = True,
-                        convert: bool = False, block: int = FLASH_BLOCK) -> int:
-    """FLOPs of a flash-attention forward (XLA's count of the same computation): per score
-    element it computes, two multiply-adds per head dimension (q.k and p.v) and the scale,
-    causal mask, row max, subtraction and row sum (plus a conversion each way when the
-    activations are narrower than the float32 scores); per output element the final
-    division; per row the log-sum-exp. A causal kernel works in blocks of `block` query
-    rows and reads, for each, only the keys up to its last row: ``(n + 1) / 2n`` of the
-    score matrix for ``n`` blocks (diagonal blocks are computed whole)."""
-    elems = flash_score_elements(s, causal=causal, block=block)
-    per = 4 * d + 4 + (1 if causal else 0) + (2 if convert else 0)
-    return b * heads * (elems * per + s * d + s)
-
-
-def _fused_qkv(val: Any, matmul: Any, ops: list[Op], n1: str, t_full: int, heads: int,
-               kv: int, d: int, h: int) -> tuple[str, str, str]:
-    """One matmul produces q, k and v side by side (untagged); each is sliced out and
-    tagged. A slice costs no FLOPs and its backward reads nothing, so saving one or two
-    slices still recomputes the matmul for the others; only all three avoid it."""
-    qkv = matmul("qkv", n1, (t_full, heads + 2 * kv, d), h, None)
-    out = []
-    for name, role, n in (("q", "q_proj", heads), ("k", "k_proj", kv), ("v", "v_proj", kv)):
-        out.append(val(name, (t_full, n, d), role))
-        ops.append(Op(f"{name}_slice", (qkv,), name, 0, kind="layout"))
-    return out[0], out[1], out[2]
+    """Build the per-core graph of one layer of `config` (for a model with several layer
+    kinds, the kind most of its layers are; `moe.layer_graphs` gives each). The one
+    analytic builder, `_analytic.LayerBuilder`, builds dense, MoE and MLA layers alike."""
+    return _analytic.layer_graph(config, shape, parallelism)
 
 
 # --------------------------------------------------------------------------------------
@@ -333,7 +181,8 @@ def _layers_per_core(config: TransformerConfig, par: Parallelism) -> float:
 
     tp, shards = par.tp, par.tp * par.fsdp
     mult = 3 if config.gated_ffn else 2
-    norms = (4 if config.sandwich_norm else 2) * config.hidden * (1 if config.norm == "rms" else 2)
+    norms = (4 if config.details.sandwich_norm else 2) * config.hidden * (
+        1 if config.norm == "rms" else 2)
     h, m = config.hidden, config.mla
     if m is not None:  # the latent down-projections and their norms are replicated over tp
         replicated = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + (
@@ -343,7 +192,7 @@ def _layers_per_core(config: TransformerConfig, par: Parallelism) -> float:
         assert config.kv_heads is not None and config.head_dim is not None
         kv = config.kv_heads // tp if config.kv_heads % tp == 0 else 1
         kv_params = 2 * h * config.head_dim * config.kv_heads + (
-            2 * config.head_dim * config.kv_heads if config.qkv_bias else 0)
+            2 * config.head_dim * config.kv_heads if config.details.qkv_bias else 0)
         attn = (config.attention_params() - kv_params) / tp + kv_params * kv / config.kv_heads
     dense = mult * config.hidden * config.ffn
     best = 0.0

@@ -5,7 +5,7 @@ TransformerFeedForwardLayer.linear1_0, ...)."""
 import jax
 
 from neuron_remat import models
-from neuron_remat import reference as ref
+import reference as ref
 
 CFG = models.TransformerConfig(hidden=32, heads=4, kv_heads=2, ffn=64, layers=2, vocab=50,
                                name="test-layer")

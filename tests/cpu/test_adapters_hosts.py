@@ -3,7 +3,7 @@
 decorator forms) and plain ``jax.checkpoint`` (`neuron_remat.checkpoint`).
 
 What JAX keeps for the backward is read with ``jax._src.ad_checkpoint.saved_residuals``
-on the real wrapped layer (`neuron_remat.reference.layer`, the layer the planner models):
+on the real wrapped layer (`reference.layer` (tests/cpu/reference.py), the layer the planner models):
 
 * on a simulated TRN2 core, with the model described, it keeps exactly the tags the
   planner chose; with nothing described, exactly the tags axlearn's TRN2 preset saves;
@@ -30,10 +30,12 @@ from jax._src.ad_checkpoint import saved_residuals
 
 import neuron_remat as nr
 from neuron_remat import device as nr_device
-from neuron_remat import plugin, reference
+from neuron_remat import plugin
 from neuron_remat.adapters.equinox import filter_checkpoint
 from neuron_remat.adapters.flax import nnx_remat
 from neuron_remat.adapters.flax import remat as linen_remat
+
+import reference  # tests/cpu/reference.py, the plain-JAX layer
 
 # A two-layer model small enough to trace in milliseconds. On one simulated TRN2 core with
 # 1064 KiB of HBM the planner saves k_proj, linear1_0 and linear1_1 (44 KiB of a 46.5 KiB

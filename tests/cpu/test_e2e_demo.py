@@ -33,8 +33,10 @@ from jax._src.ad_checkpoint import saved_residuals
 
 import neuron_remat as nr
 from neuron_remat import device as nr_device
-from neuron_remat import plugin, reference
-from neuron_remat.reference import tag_names
+from neuron_remat import plugin
+
+import reference  # tests/cpu/reference.py, the plain-JAX layer
+from reference import tag_names
 
 HBM_MIB = 40
 DEVICE = f"trn2.48xlarge:hbm={HBM_MIB}MiB:cores=1"
@@ -205,7 +207,7 @@ def test_on_cpu_the_adapter_keeps_what_the_host_default_keeps():
 
 
 def test_the_demo_block_is_the_reference_layer():
-    """The Flax block computes `neuron_remat.reference.layer`, with its parameter shapes
+    """The Flax block computes `reference.layer` (tests/cpu/reference.py), with its parameter shapes
     and its tags, so the analytic plan describes it."""
     variables, x = _block_inputs()
     block = demo.Block(demo.CONFIG)

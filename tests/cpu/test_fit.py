@@ -91,7 +91,7 @@ def _residual_bytes(fn, *args) -> int:
 
 
 def _layer_args():
-    from neuron_remat import reference
+    import reference
 
     stacked = reference.init_stack(jax.random.PRNGKey(0), CONFIG)
     one = jax.tree.map(lambda a: a[0], stacked)
@@ -101,7 +101,7 @@ def _layer_args():
 
 def _jax_layer_kept(saved) -> int:
     """What JAX keeps for one demo layer under `saved` (residuals incl. its arguments)."""
-    from neuron_remat import reference
+    import reference
 
     x, p = _layer_args()
     fn = jax.checkpoint(lambda x, p: reference.layer(x, p, CONFIG),

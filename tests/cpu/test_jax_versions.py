@@ -23,7 +23,7 @@ from jax._src.ad_checkpoint import saved_residuals
 import neuron_remat
 from neuron_remat import _trace, models, planner, plugin
 from neuron_remat import policies as pol
-from neuron_remat import reference as ref
+import reference as ref
 from neuron_remat._audit import audit
 
 from small_layer import NAMES, layer, make_args  # noqa: E402

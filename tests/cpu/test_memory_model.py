@@ -18,7 +18,7 @@ from neuron_remat import _trace
 from neuron_remat import memory_model as mm
 from neuron_remat import models, planner
 from neuron_remat import policies as pol
-from neuron_remat import reference as ref
+import reference as ref
 from neuron_remat.cli import main
 
 # The test layer: GQA (8 query heads over 2 KV heads), gated SiLU feed-forward, RMS norms,
@@ -161,7 +161,8 @@ SHARDED = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.ad_checkpoint import checkpoint_policies as cp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from neuron_remat import memory_model as mm, models, reference as ref
+    import reference as ref
+    from neuron_remat import memory_model as mm, models
 
     cfg = models.TransformerConfig(hidden=128, heads=8, kv_heads=4, ffn=256, layers=4, vocab=512)
     batch, seq = 4, 64

@@ -14,7 +14,7 @@ from jax.ad_checkpoint import checkpoint_policies
 import neuron_remat as nr
 from neuron_remat import _trace, models, moe
 from neuron_remat import memory_model as mm
-from neuron_remat import reference_moe as rm
+import reference_moe as rm
 from neuron_remat.cli import main
 
 # Tiny layers, float32 (XLA's CPU backend stores bfloat16 as float32). Capacity factor

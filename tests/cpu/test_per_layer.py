@@ -21,7 +21,7 @@ CANDS = ["MultiheadAttention.q_proj", "MultiheadAttention.k_proj",
 @pytest.fixture(scope="module")
 def footprint():
     """The small layer's traced footprint, from abstract arguments (nothing runs)."""
-    from neuron_remat import reference as ref
+    import reference as ref
 
     params = jax.eval_shape(lambda: ref.init_layer(jax.random.PRNGKey(0), CFG))
     x = jax.ShapeDtypeStruct((2, 8, CFG.hidden), jnp.float32)
@@ -176,7 +176,7 @@ def test_table_and_json_show_the_mix(footprint):
 
 
 def _scan_setup():
-    from neuron_remat import reference as ref
+    import reference as ref
 
     def lay(h, p):
         return ref.layer(h, p, CFG)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import neuron_remat as nr
-from neuron_remat import reference as ref
+import reference as ref
 
 CFG = nr.TransformerConfig(hidden=64, heads=4, kv_heads=2, ffn=192, layers=4, vocab=64,
                            name="fit-mix", flash_attention=False)

@@ -16,7 +16,7 @@ from jax.extend.core import Primitive
 
 from neuron_remat._audit import DeadPatternError, audit
 from neuron_remat import policies as pol
-from neuron_remat import reference as ref
+import reference as ref
 from neuron_remat.cli import main
 
 # A small layer of the shape the presets are for (shared with test_jax_versions.py).

@@ -24,7 +24,7 @@ from neuron_remat._jax_compat import saved_residuals
 import neuron_remat as nr
 from neuron_remat import _trace, graph as gr, memory_model as mm, models, planner
 from neuron_remat import policies as pol
-from neuron_remat import reference as ref
+import reference as ref
 
 CFG = models.TransformerConfig(hidden=64, heads=4, kv_heads=2, ffn=256, layers=2, vocab=64,
                                name="tiny-gqa")

@@ -13,7 +13,7 @@ layers usually are:
 * shared experts: a dense feed-forward block on every token, added to the routed output;
 * MLA: optional low-rank query with an RMS norm, a joint key-value latent whose main part
   is RMS-normed and up-projected to per-head keys and values, one RoPE key shared by all
-  heads (RoPE itself is left out here, as in `neuron_remat.reference`: a few elementwise
+  heads (RoPE itself is left out here, as in `reference` (tests/cpu/reference.py): a few elementwise
   operations per element).
 
 MaxText names a routed expert's values twice (``moe_mlpwi_0`` inside ``mlpwi_0``, ``moe_mlpwo``
@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from .models import TransformerConfig
-from .reference import _norm
+from neuron_remat.models import TransformerConfig
+from reference import _norm
 
 __all__ = ["init_layer", "init_stack", "layer", "stack", "tag_names"]
 

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from .models import TransformerConfig
+from neuron_remat.models import TransformerConfig
 
 __all__ = ["init_layer", "init_stack", "layer", "layer_params_first", "stack", "tag_names"]
 
