@@ -1249,6 +1249,18 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
     best_tags = tuple(t for t in uniform.saved_tags if t in tags)
     uniform_cost = float(graph.recompute_flops(best_tags)) / n
     probes = list(rec.probes)
+    if not any(p.saved is None and p.label != "per-layer mix" for p in probes):
+        # The other end point of the mixes, measured: no remat's untagged values make it
+        # the model's least certain figure.
+        say(f"compile {len(probes) + 1}: no remat (the per-layer plan's end point) ...")
+        c = _compile(make_step(_policy(None)), args)
+        if c.bytes is None:
+            return keep("per-layer plan: the backend has no memory_analysis(); not tried")
+        probes.append(Probe(NO_REMAT, None, c.bytes, c.argument, c.output, c.temp, c.alias,
+                            c.flops, c.seconds))
+        say(f"compile {len(probes)}: {fmt_bytes(c.bytes)}")
+        rec = dataclasses.replace(rec, probes=tuple(probes), compiles=len(probes))
+        uniform = dataclasses.replace(uniform, compiled=rec)
     sets, model = _mix_sets(graph, tags, probes)
     by_saved = {s.saved: s for s in sets}
 
@@ -1270,7 +1282,9 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
                 one = by_saved.get(best_tags)
                 return dataclasses.replace(
                     uniform, layer_policies=None,
-                    layer_mix=mix_of([(one, n)]) if one is not None else ())
+                    layer_mix=mix_of([(one, n)]) if one is not None else (),
+                    notes=(*uniform.notes, "per-layer plan: no mix that recomputes less is "
+                           f"predicted to fit {fmt_bytes(rec.limit_bytes)}"))
             break
         cost, chosen = answer
         predicted = int(round(model.intercept + sum(s.per_layer * k for s, k in chosen)
