@@ -180,7 +180,8 @@ class Spec:
             def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
                 x = params["embed"][tokens[:, :-1]]
                 if self.scan and per is not None:
-                    x = scan_layers(self.layer, params["layers"], x, per, unroll=unroll)
+                    x = scan_layers(self.layer, params["layers"], x, per, unroll=unroll,
+                                    prevent_cse=True)  # as jax.checkpoint's default below
                 elif self.scan:
                     x, _ = jax.lax.scan(lambda h, p: (body(h, p), None), x, params["layers"],
                                         unroll=unroll)
