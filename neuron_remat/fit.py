@@ -1163,11 +1163,21 @@ def _mix_sets(graph: StepGraph, tags: Sequence[str], probes: Sequence[Probe]
             return graph.no_remat_kept_bytes(), 0
         return graph.kept_bytes(saved), graph.read_bytes(saved)
 
-    compiled = {p.saved: p.bytes for p in probes
-                if p.bytes >= 0 and not p.out_of_memory and p.label != "per-layer mix"
-                and (p.saved is None or all(t in graph.tags for t in p.saved))}
+    own = [p for p in probes
+           if p.bytes >= 0 and not p.out_of_memory and p.label != "per-layer mix"
+           and (p.saved is None or all(t in graph.tags for t in p.saved))]
+    compiled = {p.saved: p.bytes for p in own}
     model = _Model.calibrate([(b, *shape(s)) for s, b in compiled.items()])
     n = graph.count
+    # Recompute as XLA counts it: a rolled scan's FLOPs count its body once, so a compiled
+    # set's FLOPs less no remat's are one layer's recompute. Sets not compiled: the layer
+    # graph's count, scaled by what XLA counted over the graph on the compiled sets.
+    flops = {p.saved: p.flops for p in own if math.isfinite(p.flops)}
+    xla: dict[tuple[str, ...], float] = {}
+    if None in flops:
+        xla = {s: max(f - flops[None], 0.0) for s, f in flops.items() if s is not None}
+    counted = sum(graph.recompute_flops(s) / n for s in xla)
+    ratio = sum(xla.values()) / counted if xla and counted > 0 else 1.0
     found = []
     for saved in [*(c for r in range(len(tags) + 1) for c in itertools.combinations(tags, r)),
                   None]:
@@ -1176,7 +1186,8 @@ def _mix_sets(graph: StepGraph, tags: Sequence[str], probes: Sequence[Probe]
         total = compiled.get(saved)
         if total is None:
             total = model.predict(kept, read)
-        cost = 0.0 if saved is None else float(graph.recompute_flops(saved)) / n
+        cost = 0.0 if saved is None else xla.get(
+            saved, ratio * float(graph.recompute_flops(saved)) / n)
         found.append(_MixSet(saved, int(math.ceil((total - model.intercept - ws) / n)), ws,
                              cost))
     return found, model
@@ -1246,8 +1257,7 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
                     "layer; one scanned stack is supported)")
     n = graph.count
     tags = _pool(graph, None)
-    best_tags = tuple(t for t in uniform.saved_tags if t in tags)
-    uniform_cost = float(graph.recompute_flops(best_tags)) / n
+    best_tags = tuple(t for t in tags if t in uniform.saved_tags)  # as `_mix_sets` orders
     probes = list(rec.probes)
     if not any(p.saved is None and p.label != "per-layer mix" for p in probes):
         # The other end point of the mixes, measured: no remat's untagged values make it
@@ -1263,6 +1273,13 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
         uniform = dataclasses.replace(uniform, compiled=rec)
     sets, model = _mix_sets(graph, tags, probes)
     by_saved = {s.saved: s for s in sets}
+    if best_tags not in by_saved:
+        return keep("per-layer plan: not tried (the uniform set is not among the tags "
+                    "worth deciding)")
+    uniform_cost = by_saved[best_tags].cost
+    # The per-layer plan states recompute as XLA counted it (see `_mix_sets`), the uniform
+    # set's too, so that the two compare.
+    uniform = dataclasses.replace(uniform, recompute_flops_per_layer=uniform_cost)
 
     def mix_of(chosen: list[tuple[_MixSet, int]]) -> tuple[LayerMix, ...]:
         mix = []
