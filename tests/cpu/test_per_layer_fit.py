@@ -48,6 +48,7 @@ def test_fit_per_layer_confirms_the_mix_by_compiling_it():
         assert any("per-layer" in n for n in plan.notes) or len(plan.layer_mix) == 1
 
 
+@pytest.mark.slow
 def test_fit_per_layer_between_every_tag_and_no_remat_on_a_zoo_step():
     """A zoo step (a train one, shortened) at a limit 3/4 of the way from "every tag" to no
     remat, both compiled here: the mix fit returns (no remat on some layers) compiles within
