@@ -67,8 +67,9 @@ def _describe(policy: Any) -> list[str] | None:
 
 
 class Cache:
-    def __init__(self) -> None:
-        self.data = json.loads(CACHE.read_text()) if CACHE.exists() else {}
+    def __init__(self, path: Path = CACHE) -> None:
+        self.path = path
+        self.data = json.loads(path.read_text()) if path.exists() else {}
 
     def get(self, key: str, fn: Any) -> Any:
         if key not in self.data:
@@ -77,8 +78,8 @@ class Cache:
             if isinstance(value, dict):
                 value["seconds"] = round(time.time() - start, 1)
             self.data[key] = value
-            CACHE.parent.mkdir(exist_ok=True)
-            CACHE.write_text(json.dumps(self.data, indent=1))
+            self.path.parent.mkdir(exist_ok=True)
+            self.path.write_text(json.dumps(self.data, indent=1))
         return self.data[key]
 
 
@@ -154,8 +155,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", default=",".join(STEPS))
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--cache", type=Path, default=CACHE,
+                    help=f"the cache file (default {CACHE.relative_to(REPO)})")
     opts = ap.parse_args(argv)
-    cache = Cache()
+    cache = Cache(opts.cache)
     # Compiles repeat across limits (each fit starts with full remat): keep executables.
     jax.config.update("jax_compilation_cache_dir", str(REPO / "out" / "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -307,7 +307,10 @@ class Plan:
                                  "kept_bytes_per_layer": m.kept_bytes,
                                  "recompute_flops_per_layer": m.recompute_flops,
                                  "recompute_seconds_per_layer": m.recompute_seconds,
-                                 "policy": m.policy.to_dict() if m.policy else None}
+                                 "policy": (m.policy.to_dict() if hasattr(m.policy, "to_dict")
+                                            else {"jax": getattr(m.policy, "__name__",
+                                                                 repr(m.policy))}
+                                            if m.policy is not None else None)}
                                 for m in self.layer_mix]
             out["mixed"] = {"kept_bytes": self.mixed_kept_bytes,
                             "recompute_flops": self.mixed_recompute_flops,

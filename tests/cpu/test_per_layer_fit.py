@@ -93,3 +93,38 @@ def test_fit_per_layer_between_every_tag_and_no_remat_on_a_zoo_step():
     predicted = 100 * saved / step
     assert measured > 0
     assert abs(measured - predicted) <= 0.3, (measured, predicted)
+
+
+def test_choose_mix_is_the_brute_force_over_counts():
+    """`fit_per_layer`'s choice over priced sets (per-layer bytes, a workspace held once,
+    recompute per layer) against every assignment of sets to layers, enumerated here."""
+    import importlib
+    import itertools
+    import random
+
+    F = importlib.import_module("neuron_remat.fit")
+    rng = random.Random(7)
+    for trial in range(40):
+        sets = [F._MixSet(None, rng.randint(50, 100), 0, 0.0)] + [
+            F._MixSet((f"t{i}",), rng.randint(0, 60), rng.randint(0, 30),
+                      float(rng.randint(1, 50))) for i in range(3)]
+        layers = rng.randint(2, 4)
+        room = rng.randint(40, 100 * layers)
+        best = None
+        for pick in itertools.product(range(len(sets)), repeat=layers):
+            used = {sets[i] for i in pick}
+            if len(used) > 2:
+                continue
+            nbytes = sum(sets[i].per_layer for i in pick) + max(s.workspace for s in used)
+            if nbytes <= room:
+                cost = sum(sets[i].cost for i in pick)
+                best = cost if best is None else min(best, cost)
+        got = F._choose_mix(sets, layers, room, 2)
+        if best is None:
+            assert got is None, trial
+            continue
+        assert got is not None and got[0] == pytest.approx(best), trial
+        chosen = got[1]
+        assert sum(k for _, k in chosen) == layers and len(chosen) <= 2
+        assert sum(s.per_layer * k for s, k in chosen) + max(s.workspace for s, _ in chosen) \
+            <= room
