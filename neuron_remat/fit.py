@@ -825,7 +825,9 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
             to 8 tags; at least 3), ``progress`` (called with one line per compile and
             the search's plan and end), ``band`` (the uncertainty of a prediction before
             any compile has missed, a share of full remat's bytes; 0.02), ``runner_ups``
-            (how many to list; 3).
+            (how many to list; 3), ``per_layer`` (True: then a mix of save sets over the
+            layers, no remat among them, compiled to confirm it: `fit_per_layer`) and
+            ``max_sets`` (distinct sets in that mix; 2).
 
     Returns a `Plan` whose `Plan.policy` is exactly what was compiled (no remat:
     ``jax.checkpoint_policies.everything_saveable``) and whose `Plan.compiled` holds that
