@@ -1342,8 +1342,9 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
         if c.bytes is None:  # out of memory, no figure: nothing to reserve by
             break
         reserve = max(reserve + 1, c.bytes - predicted)
-    over = ("no mix recomputes less and fits once the compiled misses are reserved"
-            if c is None or not c.over(rec.limit_bytes) else
-            f"the compiled mix did not fit ({'out of memory' if c.bytes is None else fmt_bytes(c.bytes) + ' >'} "
-            f"{fmt_bytes(rec.limit_bytes)})")
+    if c is None or not c.over(rec.limit_bytes):
+        over = "no mix recomputes less and fits once the compiled misses are reserved"
+    else:
+        got = "out of memory" if c.bytes is None else f"{fmt_bytes(c.bytes)} >"
+        over = f"the compiled mix did not fit ({got} {fmt_bytes(rec.limit_bytes)})"
     return keep(f"per-layer plan: {over}; the uniform plan stands")
