@@ -173,6 +173,18 @@ def _model(text: str, text_only: bool = False) -> models.TransformerConfig:
     return models.get_model(text)
 
 
+_OBJECTIVES = ("time", "flops")
+"""What `plan --objective` takes: the planner's `OBJECTIVES` (named here: the parser
+imports no JAX)."""
+
+
+def _max_sets(text: str) -> int | None:
+    """An argparse type for --max-sets: a positive integer, or 'none' (no bound)."""
+    if text.strip().lower() == "none":
+        return None
+    return _count(what="a number of save sets")(text)
+
+
 def _plan_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
     config = _model(args.model, getattr(args, "text_only", False))
     changes: dict[str, Any] = {}
@@ -240,13 +252,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     if args.plot:
         _check_plot_path(args.plot)
+    if args.max_sets != 2 and not args.per_layer:
+        raise UsageError(f"--max-sets {args.max_sets if args.max_sets is not None else 'none'}"
+                         " applies to a per-layer plan; add --per-layer or drop --max-sets")
     config, shape, par, device, note, reserve, candidates = _plan_inputs(args)
     try:
-        chosen = planner.plan(device, config, shape, par, candidates, reserve=reserve)
+        chosen = planner.plan(device, config, shape, par, candidates, reserve=reserve,
+                              objective=args.objective, per_layer=args.per_layer,
+                              max_sets=args.max_sets)
     except planner.NoFitError as err:
         return _no_fit(err, args.json)
     if args.json:
         _print_plan_json(chosen, note, maxtext_overrides=_maxtext(chosen),
+                         per_layer=args.per_layer,
+                         max_sets=args.max_sets if args.per_layer else None,
                          paste=dict(zip(("where", "line"), chosen.paste())))
     else:
         if note:
@@ -254,7 +273,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(f"{config.name}: seq {shape.seq_len} x micro-batch {shape.micro_batch}, "
               f"tp={chosen.parallelism.tp} fsdp={chosen.parallelism.fsdp} "  # type: ignore[union-attr]
               f"dp={chosen.parallelism.dp} pp={chosen.parallelism.pp} on "  # type: ignore[union-attr]
-              f"{describe_device(device)}")
+              f"{describe_device(device)}; objective: {chosen.objective}"
+              + (f"; per layer (at most "
+                 f"{args.max_sets if args.max_sets is not None else 'any number of'} sets)"
+                 if args.per_layer else ""))
         print(chosen.table())
     if args.plot:
         return _plot(chosen, config, shape, args.plot)
@@ -529,6 +551,16 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--tags", choices=["axlearn", "maxtext"], default="axlearn",
                     help="tag vocabulary of the host library")
     pl.add_argument("--candidates", type=_candidates, help="comma-separated tags or roles to consider")
+    pl.add_argument("--objective", choices=_OBJECTIVES,
+                    help="what the plan minimises: recompute time (roofline over the "
+                         "device's engine rates; the default on a Neuron device) or FLOPs "
+                         "(the default elsewhere)")
+    pl.add_argument("--per-layer", action="store_true",
+                    help="also plan the optimal mix of save sets over the layers")
+    pl.add_argument("--max-sets", type=_max_sets, default=2, metavar="N",
+                    help="with --per-layer: at most N distinct save sets in the mix "
+                         "(default 2: a scanned stack runs as two scans), or 'none' for "
+                         "no bound")
     pl.add_argument("--plot", metavar="PNG", help="draw the per-core memory stack")
     pl.add_argument("--json", action="store_true", help="print JSON")
     pl.set_defaults(run=_cmd_plan)

@@ -90,7 +90,7 @@ class LayerMix:
     kept_bytes: int
     recompute_flops: float
     recompute_seconds: float | None = None
-    policy: RegexPolicy | None = None
+    policy: RegexPolicy | Callable[..., Any] | None = None  # fit's no remat: everything_saveable
 
 
 OBJECTIVES = ("flops", "time")
@@ -252,7 +252,10 @@ class Plan:
                                  "kept_bytes_per_layer": m.kept_bytes,
                                  "recompute_flops_per_layer": m.recompute_flops,
                                  "recompute_seconds_per_layer": m.recompute_seconds,
-                                 "policy": m.policy.to_dict() if m.policy else None}
+                                 "policy": (m.policy.to_dict() if hasattr(m.policy, "to_dict")
+                                            else {"jax": getattr(m.policy, "__name__",
+                                                                 repr(m.policy))}
+                                            if m.policy is not None else None)}
                                 for m in self.layer_mix]
             out["mixed"] = {"kept_bytes": self.mixed_kept_bytes,
                             "recompute_flops": self.mixed_recompute_flops,
@@ -1240,7 +1243,9 @@ def _mix_lines(p: Plan) -> list[str]:
     for m in p.layer_mix:
         secs = (f", {1e3 * m.recompute_seconds:.4g} ms" if m.recompute_seconds is not None
                 else "")
-        lines.append(f"per-layer plan: {m.layers} x {list(m.tags)}: {fmt_bytes(m.kept_bytes)}"
+        what = "no remat" if m.policy is not None and not isinstance(m.policy, RegexPolicy) \
+            else list(m.tags)
+        lines.append(f"per-layer plan: {m.layers} x {what}: {fmt_bytes(m.kept_bytes)}"
                      f"/layer, {m.recompute_flops / 1e9:.4g} GFLOP{secs}/layer")
     uni = 100 * p.overhead
     lines.append(f"per-layer plan: keeps {fmt_bytes(p.mixed_kept_bytes)} over "

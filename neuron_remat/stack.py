@@ -59,13 +59,28 @@ def scan_layers(layer_fn: Callable[[Any, Any], Any], stacked_params: Any, x: Any
     else:
         per = [policies] * n
 
-    for start, stop, policy in policy_runs(per):
+    runs = policy_runs(per)
+    sizes = tuple(stop - start for start, stop, _ in runs)
+    split = getattr(jax.lax, "split", None)
+    if len(runs) == 1:
+        pieces = [stacked_params]
+    elif split is not None:
+        # One split per array: its transpose concatenates the runs' gradients. Slicing
+        # would pad each run's gradient to the whole stack and add them (a stack-sized
+        # buffer and add per extra run).
+        parts = [split(a, sizes, axis=0) for a in leaves]
+        treedef = jax.tree_util.tree_structure(stacked_params)
+        pieces = [jax.tree_util.tree_unflatten(treedef, [p[i] for p in parts])
+                  for i in range(len(runs))]
+    else:  # an older JAX without lax.split
+        pieces = [jax.tree_util.tree_map(lambda a, s=start, e=stop: a[s:e], stacked_params)
+                  for start, stop, _ in runs]
+    for (_, _, policy), run in zip(runs, pieces):
         body_fn = layer_fn if isinstance(policy, str) and policy == NO_REMAT else \
             jax.checkpoint(layer_fn, policy=policy, prevent_cse=prevent_cse)
 
         def body(carry: Any, p: Any, body_fn: Any = body_fn) -> tuple[Any, None]:
             return body_fn(carry, p), None
 
-        run = jax.tree_util.tree_map(lambda a, s=start, e=stop: a[s:e], stacked_params)
         x, _ = jax.lax.scan(body, x, run, unroll=unroll)
     return x

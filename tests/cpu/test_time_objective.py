@@ -62,6 +62,27 @@ def test_roofline_per_op_kind():
     assert graph.op_seconds(ops["transpose"], g, RATES) == pytest.approx(2 * 524288 * 2 / 1e12)
 
 
+def test_each_kind_on_its_own_engine_when_compute_bound():
+    # With HBM this fast every op is compute-bound, so each op's time is its work over
+    # its engine's rate alone: a wrong engine (all on the tensor engine, say) cannot pass.
+    fast = device.EngineRates("fast-hbm", tensor_flops=100e12, vector_flops=1e12,
+                              scalar_flops=2e12, hbm_bytes_per_s=1e18, source="test")
+    g = _graph()
+    ops = {o.name.split(":")[0]: o for o in g.ops}
+    assert graph.op_seconds(ops["dot_general"], g, fast) == pytest.approx(
+        2 * 1024 * 2048 * 512 / 100e12)  # tensor engine
+    assert graph.op_seconds(ops["exp"], g, fast) == pytest.approx(
+        1024 * 2048 / 2e12)  # scalar engine, one op per element
+    assert graph.op_seconds(ops["reduce_sum"], g, fast) == pytest.approx(
+        (1024 * 2048 - 1024) / 1e12)  # vector engine
+    assert graph.op_seconds(ops["add"], g, fast) == pytest.approx(1024 * 512 / 1e12)
+    assert graph.op_seconds(ops["reshape"], g, fast) == 0.0
+    # the same op is 100x slower per FLOP on the vector engine than a matmul's FLOP
+    per_flop = {k: graph.op_seconds(ops[k], g, fast) / ops[k].flops
+                for k in ("dot_general", "add")}
+    assert per_flop["add"] / per_flop["dot_general"] == pytest.approx(100.0)
+
+
 def test_fused_op_takes_its_busiest_engine():
     g = _graph()
     big = Op("fused", ("x",), "r", 10**9, kind="matmul",

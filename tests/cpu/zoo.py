@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
+from neuron_remat import scan_layers
+
 MAXTEXT = {"q": "query_proj", "k": "key_proj", "v": "value_proj", "context": "context",
            "out": "out_proj", "ffn0": "mlpwi_0", "ffn1": "mlpwi_1"}
 
@@ -160,21 +162,33 @@ class Spec:
             y = t((jax.nn.silu(a) * g) @ p["w2"], "ffn_out")
         return x + y
 
-    def make_step(self) -> Callable[[Any], Any]:
+    def make_step(self, unroll: int | bool = 1) -> Callable[[Any], Any]:
+        """``make(policy)``: the jitted step. `policy` is one JAX policy for every layer,
+        or a tuple of one per layer (a per-layer plan's `Plan.layer_policies`), which a
+        scanned stack runs with `neuron_remat.scan_layers` (one scan per run of equal
+        policies). `unroll` goes to the scans (``True`` lets XLA:CPU's cost analysis count
+        every layer, it counts a rolled scan's body once)."""
         tx = self.optimizer_fn()
 
         def make(policy: Any) -> Any:
+            per = tuple(policy) if isinstance(policy, (tuple, list)) else None
             if self.ignores_policy:  # the user's bug: a fixed policy, the argument unused
                 policy = jax.checkpoint_policies.nothing_saveable
-            body = jax.checkpoint(self.layer, policy=policy)
+                per = None
+            body = None if per is not None else jax.checkpoint(self.layer, policy=policy)
 
             def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
                 x = params["embed"][tokens[:, :-1]]
-                if self.scan:
-                    x, _ = jax.lax.scan(lambda h, p: (body(h, p), None), x, params["layers"])
+                if self.scan and per is not None:
+                    x = scan_layers(self.layer, params["layers"], x, per, unroll=unroll,
+                                    prevent_cse=True)  # as jax.checkpoint's default below
+                elif self.scan:
+                    x, _ = jax.lax.scan(lambda h, p: (body(h, p), None), x, params["layers"],
+                                        unroll=unroll)
                 else:
                     for i in range(self.layers):
-                        x = body(x, jax.tree.map(lambda a, i=i: a[i], params["layers"]))
+                        f = body if per is None else jax.checkpoint(self.layer, policy=per[i])
+                        x = f(x, jax.tree.map(lambda a, i=i: a[i], params["layers"]))
                 x = x * params["ln_f"]
                 logits = (x @ params["head"]).astype(jnp.float32)
                 logp = jax.nn.log_softmax(logits)
