@@ -18,7 +18,7 @@ axlearn-style tags), for every policy this compiles the gradient step
 Policies: no remat, full remat, JAX's ``dots_saveable`` and
 ``dots_with_no_batch_dims_saveable``, every `neuron_remat.PRESETS` entry (axlearn's TRN2
 choice ``trn2-fuji-70b`` among them), MaxText's named policies written as save sets of
-axlearn tags, and the planner's choice (`plan(footprint=layer_footprint(...))`) at several
+axlearn tags, and the planner's choice (`plan_footprint(layer_footprint(...), ...)`) at several
 per-layer budgets from full remat up to saving every tag. The same planner on a
 `traced_footprint` (the graph of the traced layer, evaluated jointly) is shown beside it.
 

@@ -102,7 +102,7 @@ def test_choose_mix_is_the_brute_force_over_counts():
     import itertools
     import random
 
-    F = importlib.import_module("neuron_remat.fit")
+    F = importlib.import_module("neuron_remat._fit")
     rng = random.Random(7)
     for trial in range(40):
         sets = [F._MixSet(None, rng.randint(50, 100), 0, 0.0)] + [
