@@ -86,6 +86,23 @@ def _no_remat() -> Iterator[None]:
         cls.get_remat_policy = original
 
 
+@contextlib.contextmanager
+def _in_mesh(mesh: Any, rules: Any) -> Iterator[None]:
+    """`mesh` (its abstract mesh under a trace, where ``jax.set_mesh`` refuses) and the
+    logical axis rules, as ``train_compile.jit_and_compile`` sets them."""
+    import jax  # noqa: PLC0415
+    from flax.linen.partitioning import axis_rules  # noqa: PLC0415
+    from jax._src import core  # noqa: PLC0415
+
+    with contextlib.ExitStack() as stack:
+        if core.trace_state_clean():
+            stack.enter_context(jax.set_mesh(mesh))
+        else:
+            stack.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
+        stack.enter_context(axis_rules(rules))
+        yield
+
+
 class MaxTextStep:
     """MaxText's jitted train step: traced, lowered and called inside its mesh (its
     abstract mesh when called under a trace) and logical axis rules (and, for no remat,
@@ -96,16 +113,8 @@ class MaxTextStep:
 
     @contextlib.contextmanager
     def _context(self) -> Iterator[None]:
-        import jax  # noqa: PLC0415
-        from flax.linen.partitioning import axis_rules  # noqa: PLC0415
-        from jax._src import core  # noqa: PLC0415
-
         with contextlib.ExitStack() as stack:
-            if core.trace_state_clean():
-                stack.enter_context(jax.set_mesh(self._mesh))
-            else:  # called under a trace (jax.make_jaxpr of the step): set_mesh refuses
-                stack.enter_context(jax.sharding.use_abstract_mesh(self._mesh.abstract_mesh))
-            stack.enter_context(axis_rules(self._rules))
+            stack.enter_context(_in_mesh(self._mesh, self._rules))
             if self._no_remat:
                 stack.enter_context(_no_remat())
             yield
@@ -159,19 +168,20 @@ class MaxTextSpec:
 
     # ---- one decoder layer, for the traced footprint -----------------------------------
 
-    def decoder_layer(self) -> tuple[Callable[[Any, Any], Any], Any, Any]:
-        """``(fn(x, params), x, params)``: one of MaxText's ``LlamaDecoderLayer``s (as the
-        scanned stack calls it: training mode, deterministic) on a batch of activations in
-        the config's dtype; ``fn`` runs inside the mesh and axis rules."""
+    def decoder_layer(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """``(fn, (x, params, segment_ids, positions))``: one of MaxText's
+        ``LlamaDecoderLayer``s (as the scanned stack calls it: training mode,
+        deterministic) on a batch of activations `x` in the config's dtype; ``fn`` runs
+        inside the mesh and axis rules. The integer segment ids and positions are
+        arguments (not closed over), so JAX lists them as arguments, not constants."""
         import jax  # noqa: PLC0415
         import jax.numpy as jnp  # noqa: PLC0415
         from flax import nnx  # noqa: PLC0415
-        from flax.linen.partitioning import axis_rules  # noqa: PLC0415
         from maxtext.models import llama2  # noqa: PLC0415
 
         config = self.maxtext_config()
         mesh = self._built(_overrides_of(None))[2]
-        with jax.set_mesh(mesh), axis_rules(config.logical_axis_rules):
+        with _in_mesh(mesh, config.logical_axis_rules):
             layer = llama2.LlamaDecoderLayer(config=config, model_mode="train", mesh=mesh,
                                              rngs=nnx.Rngs(0))
         graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
@@ -181,13 +191,13 @@ class MaxTextSpec:
         segments = jnp.ones((b, s), jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
 
-        def fn(x: Any, params: Any) -> Any:
-            with jax.set_mesh(mesh), axis_rules(config.logical_axis_rules):
+        def fn(x: Any, params: Any, segments: Any, positions: Any) -> Any:
+            with _in_mesh(mesh, config.logical_axis_rules):
                 out, _ = nnx.merge(graphdef, params, rest)(x, segments, positions, True,
                                                              "train")
             return out
 
-        return fn, x, params
+        return fn, (x, params, segments, positions)
 
 
 def _overrides_of(policy: Any) -> tuple[tuple[str, str], ...]:
