@@ -7,7 +7,7 @@ llama2 block, scanned layers, MaxText's cross entropy, AdamW, donated state) on 
 config, its remat policy set through neuron_remat's MaxText adapter. It is a held-out step:
 nothing in `fit` was tuned on it.
 
-1. the brute force: every subset of the `MAX_TAGS` most useful tags MaxText emits, and no
+1. the brute force: every subset of the `MAX_TAGS` (``--tags``) most useful tags MaxText emits, and no
    remat, compiled on XLA:CPU once (``--xla_backend_optimization_level=0``, as
    benchmarks/fit_sweep.py) and cached by save set in ``OUT/maxtext_brute/<step>.json``
    (delete it to recompile);
@@ -56,6 +56,8 @@ def _gap_bins(gaps: Sequence[float]) -> dict[str, int]:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = C.parser(__doc__.splitlines()[0], NAME)
     p.add_argument("--brute-only", action="store_true", help="fill the cache and stop")
+    p.add_argument("--tags", type=int, default=MAX_TAGS,
+                   help=f"tags in the brute force (default {MAX_TAGS}; --small: 3)")
     args = p.parse_args(argv)
     say = C.Printer(args.quiet)
     flags = os.environ.get("XLA_FLAGS", "")
@@ -76,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     F = importlib.import_module("neuron_remat.fit")
     logging.getLogger("neuron_remat.fit").setLevel(logging.ERROR)
-    max_tags, n_sizes = (3, 10) if args.small else (MAX_TAGS, 100)
+    max_tags, n_sizes = (3, 10) if args.small else (args.tags, 100)
     result: dict[str, Any] = {"maxtext": mz.MAXTEXT_VERSION, "max_tags": max_tags,
                               "steps": {}}
     lines: list[str] = []
