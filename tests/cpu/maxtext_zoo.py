@@ -148,8 +148,9 @@ class MaxTextSpec:
     def maxtext_config(self, overrides: tuple[tuple[str, str], ...] = ()) -> Any:
         return _config(self.name, tuple(sorted(self.config.items())), overrides)
 
-    def _built(self, overrides: tuple[tuple[str, str], ...]) -> tuple[Any, ...]:
-        return _build(self.name, tuple(sorted(self.config.items())), overrides)
+    def _built(self, overrides: tuple[tuple[str, str], ...],
+               no_remat: bool = False) -> tuple[Any, ...]:
+        return _build(self.name, tuple(sorted(self.config.items())), overrides, no_remat)
 
     def abstract_args(self) -> tuple[Any, Any]:
         """(abstract NNX train state, abstract batch), as ``get_shaped_inputs`` gives them."""
@@ -161,7 +162,7 @@ class MaxTextSpec:
         def make(policy: Any) -> MaxTextStep:
             no_remat = policy is jax.checkpoint_policies.everything_saveable
             overrides = _overrides_of(None if no_remat else policy)
-            jitted, _, mesh, config = self._built(overrides)
+            jitted, _, mesh, config = self._built(overrides, no_remat)
             return MaxTextStep(jitted, mesh, config.logical_axis_rules, no_remat)
 
         return make
@@ -219,8 +220,10 @@ def _config(name: str, config: tuple[tuple[str, Any], ...],
 
 @functools.lru_cache(maxsize=None)
 def _build(name: str, config: tuple[tuple[str, Any], ...],
-           overrides: tuple[tuple[str, str], ...]) -> tuple[Any, ...]:
-    """(jitted step, (abstract state, abstract batch), mesh, MaxText config)."""
+           overrides: tuple[tuple[str, str], ...], no_remat: bool) -> tuple[Any, ...]:
+    """(jitted step, (abstract state, abstract batch), mesh, MaxText config). `no_remat`
+    gets a jitted function of its own: jit's trace cache does not see `_no_remat`."""
+    del no_remat  # only a cache key
     import jax  # noqa: PLC0415
     from flax.linen.partitioning import axis_rules  # noqa: PLC0415
     from jax.sharding import AxisType, Mesh  # noqa: PLC0415
