@@ -31,9 +31,10 @@ MiB = 1 << 20
 SPEC = mz.STEPS["maxtext-llama2"]
 BRUTE_TAGS = 5
 """The brute force's tags: `fit`'s most useful ones (2**5 sets and no remat compiled)."""
-SIZES = (0.04, 0.08, 0.5, 1.0)
-"""HBM sizes, as fractions of the way from the smallest compiled set to no remat: where
-the sets differ most (just above full remat) and two wider."""
+SIZES = (0.04, 0.05, 0.5, 1.0)
+"""HBM sizes, as fractions of the way from the smallest compiled set to 5% above no remat
+(benchmarks/maxtext_fit.py's range): where the sets differ most (just above full remat)
+and two wider."""
 
 
 def _bytes(compiled):
@@ -221,7 +222,7 @@ def test_fit_against_the_compiled_brute_force(step):
     of the best compiled set over `BRUTE_TAGS` tags (and no remat), and `fit` refuses only
     where nothing fits. Nothing is cached. (benchmarks/maxtext_fit.py --tags 5 measured
     gaps of 4.9 and 5.8 points at 27.84 and 28.09 MiB, 4% and 5% of the way: this test
-    is expected to fail at its first size until `fit` does better on this held-out step.)"""
+    is expected to fail there until `fit` does better on this held-out step.)"""
     import jax
 
     import neuron_remat as nr
@@ -242,7 +243,7 @@ def test_fit_against_the_compiled_brute_force(step):
     base = table[None][1]
     per = graph.count  # XLA:CPU counts a scan body once: a difference is one layer's
     smallest = min(b for b, _ in table.values())
-    sizes = [int(smallest + f * (table[None][0] - smallest)) for f in SIZES]
+    sizes = [int(smallest + f * (1.05 * table[None][0] - smallest)) for f in SIZES]
     failures = []
     for hbm in sizes:
         fits = [f for b, f in table.values() if b <= hbm]
