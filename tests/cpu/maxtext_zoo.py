@@ -45,9 +45,10 @@ CONFIG: dict[str, Any] = dict(
     opt_type="adamw", steps=10, base_emb_dim=128, base_num_query_heads=4,
     base_num_kv_heads=2, head_dim=32, base_mlp_dim=512, base_num_decoder_layers=4,
     vocab_size=512, max_target_length=128, per_device_batch_size=2,
+    jax_cache_dir="",  # base.yml turns JAX's persistent compilation cache on (~/jax_cache)
 )
 """A tiny llama2: 4 scanned layers, hidden 128, GQA 4:2 heads of 32, SwiGLU of 512,
-vocabulary 512, 2 x 128 tokens."""
+vocabulary 512, 2 x 128 tokens. No persistent compilation cache: every compile is one."""
 
 
 def available() -> str | None:
