@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CI step: the version-sensitive tests on the JAX that Python 3.12 installs today (pip picks
 # the newest JAX setup.cfg allows; 0.12.x at the time of writing), in its own virtual
-# environment. Skips, with a message, where no python3.12 exists (PYTHON312 names one).
+# environment; then MaxText 0.2.5's real step (tests/cpu/test_maxtext_real.py) in the
+# environment .ci/maxtext_env.sh builds (.ci-venv-maxtext). Skips, with a message, where no python3.12 exists (PYTHON312 names one).
 # Fails when a test fails, or when nothing is collected (pytest's exit code 5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +33,26 @@ rc=0
 "$DIR/bin/python" -m pytest -q "${TESTS[@]}" || rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "CI py312: collected no tests: ${TESTS[*]}" >&2
+    exit 1
+fi
+[ "$rc" -eq 0 ] || exit "$rc"
+
+# MaxText 0.2.5's real training step (tests/cpu/maxtext_zoo.py) in its own environment,
+# pinned by .ci/maxtext-requirements.txt (.ci/maxtext_env.sh fails on any failed install
+# or when MaxText does not import). Its non-slow tests only (setup.cfg leaves out slow).
+MT_DIR=.ci-venv-maxtext
+.ci/maxtext_env.sh "$MT_DIR" "$PY"
+MT_TESTS=(tests/cpu/test_maxtext_real.py)
+rc=0
+"$MT_DIR/bin/python" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
+    -rs "${MT_TESTS[@]}" | tee "$MT_DIR/pytest.log" || rc=$?  # pipefail: pytest's status
+if [ "$rc" -eq 5 ]; then
+    echo "CI py312: collected no tests: ${MT_TESTS[*]}" >&2
+    exit 1
+fi
+if [ "$rc" -eq 0 ] && grep -q "skipped" "$MT_DIR/pytest.log" \
+        && ! grep -q "passed" "$MT_DIR/pytest.log"; then
+    echo "CI py312: MaxText's tests were all skipped in the MaxText environment" >&2
     exit 1
 fi
 exit "$rc"

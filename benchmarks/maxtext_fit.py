@@ -1,0 +1,146 @@
+"""`fit` on MaxText 0.2.5's real training step, against the compiled brute force.
+
+Runs where MaxText imports (Python >= 3.12; build the environment with
+.ci/maxtext_env.sh, then ``/work/venvs/mt312/bin/python benchmarks/maxtext_fit.py``). The
+step is tests/cpu/maxtext_zoo.py's: MaxText's own ``train_step`` (``models.Transformer``,
+llama2 block, scanned layers, MaxText's cross entropy, AdamW, donated state) on a tiny
+config, its remat policy set through neuron_remat's MaxText adapter. It is a held-out step:
+nothing in `fit` was tuned on it.
+
+1. the brute force: every subset of the `MAX_TAGS` (``--tags``) most useful tags MaxText emits, and no
+   remat, compiled on XLA:CPU once (``--xla_backend_optimization_level=0``, as
+   benchmarks/fit_sweep.py) and cached by save set in ``OUT/maxtext_brute/<step>.json``
+   (delete it to recompile);
+2. HBM sizes every 1% of the range from the smallest compiled step to 5% above no remat,
+   one simulated core, no reserve; `fit` at each, its compiles served from the cache
+   (counted all the same), with ``memory_analysis`` read and with the compile failure as
+   the oracle (simulated, tests/cpu/zoo.py's `OomOracleSimulation`);
+3. per mode: whether each plan fits, the gap in points of step FLOPs to the best compiled
+   set that fits, the gap distribution, refusals while some set fits, the compiles.
+
+``--small``: three tags, ten sizes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # run as a script or imported
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+
+NAME = "maxtext_fit"
+MiB = 1 << 20
+MAX_TAGS = 6
+"""Tags in the brute force (2**6 sets and no remat, each compiled once)."""
+BINS = ((0.0, "0"), (0.005, "<=0.5"), (0.01, "<=1"), (0.02, "<=2"), (float("inf"), ">2"))
+
+
+def _gap_bins(gaps: Sequence[float]) -> dict[str, int]:
+    out = {label: 0 for _, label in BINS}
+    for g in gaps:
+        for edge, label in BINS:
+            if g <= edge + 1e-12:
+                out[label] += 1
+                break
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    p = C.parser(__doc__.splitlines()[0], NAME)
+    p.add_argument("--brute-only", action="store_true", help="fill the cache and stop")
+    p.add_argument("--tags", type=int, default=MAX_TAGS,
+                   help=f"tags in the brute force (default {MAX_TAGS}; --small: 3)")
+    args = p.parse_args(argv)
+    say = C.Printer(args.quiet)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" not in flags and "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_backend_optimization_level=0 "
+                                   "--xla_llvm_disable_expensive_passes=true").strip()
+    if str(C.REPO) not in sys.path[:1]:
+        sys.path.insert(0, str(C.REPO))  # this checkout's neuron_remat
+    sys.path.insert(0, str(C.REPO / "tests" / "cpu"))
+    import maxtext_zoo as mz  # noqa: PLC0415
+
+    why = mz.available()
+    if why is not None:
+        raise SystemExit(f"maxtext_fit: {why}; build the environment with "
+                         ".ci/maxtext_env.sh and run this script with its python")
+    import fit_sweep as FS  # noqa: PLC0415
+    import zoo  # noqa: PLC0415
+
+    F = importlib.import_module("neuron_remat._fit")
+    logging.getLogger("neuron_remat.fit").setLevel(logging.ERROR)
+    max_tags, n_sizes = (3, 10) if args.small else (args.tags, 100)
+    result: dict[str, Any] = {"maxtext": mz.MAXTEXT_VERSION, "max_tags": max_tags,
+                              "steps": {}}
+    lines: list[str] = []
+    for name, spec in mz.STEPS.items():
+        make_step, step_args = spec.make_step(), spec.abstract_args()
+        graph = F.step_graph(make_step, *step_args)
+        pool = F._pool(graph, None)[:max_tags]  # noqa: SLF001
+        say(f"{name}: MaxText emits {', '.join(graph.tags)}; brute force over "
+            f"{', '.join(pool)}")
+        brute = FS.Brute(spec, pool, args.out / "maxtext_brute" / f"{name}.json")
+        seconds = brute.fill(say)
+        if args.brute_only:
+            continue
+        full, none = brute.get(())["bytes"], brute.get(None)["bytes"]
+        smallest = min(brute.get(s)["bytes"] for s in brute.sets())
+        step: dict[str, Any] = {"tags": list(pool), "emitted": list(graph.tags),
+                                "brute_seconds": seconds, "full_remat_bytes": full,
+                                "no_remat_bytes": none, "smallest_bytes": smallest,
+                                "sets": {FS._key(s): brute.get(s) for s in brute.sets()},
+                                "modes": {}}
+        sizes = FS._sizes(brute, n_sizes)  # noqa: SLF001
+        n_front = len(F._frontier(F._candidates(graph, pool)))  # noqa: SLF001
+        lines.append(f"{name} (MaxText {mz.MAXTEXT_VERSION}): full remat "
+                     f"{full / MiB:.2f} MiB, no remat {none / MiB:.2f} MiB, smallest set "
+                     f"{smallest / MiB:.2f} MiB; {len(sizes)} sizes, tags {', '.join(pool)}")
+        for mode in ("memory_analysis", "oracle"):
+            rows = FS.sweep_step(brute, mode, sizes, graph, F, zoo)
+            summary = FS._summary(rows, n_front, mode == "oracle")  # noqa: SLF001
+            gaps = [r["gap"] for r in rows if r.get("gap") is not None]
+            summary["gap_bins"] = _gap_bins(gaps)
+            step["modes"][mode] = {"summary": summary, "rows": rows}
+            lines += _report(mode, summary, rows)
+        result["steps"][name] = step
+    return C.finish(args, NAME, result, "\n".join(lines), say)
+
+
+def _report(mode: str, s: dict[str, Any], rows: Sequence[dict[str, Any]]) -> list[str]:
+    pt = (lambda g: "-" if g is None else f"{100 * g:.2f}")
+    out = [f"  fit with {mode}: {s['plans']} plans over {s['sizes']} sizes, every plan fits: "
+           f"{'yes' if s['all_fit'] else 'NO'}, plans state their compile: "
+           f"{'yes' if s['states_truth'] else 'NO'}, refusals while some set fits: "
+           f"{s['refusals_while_some_fits']}, compiles median {s['compiles_median']:g} "
+           f"max {s['compiles_max']} (cap {s['compile_cap']:.3g}, within it at "
+           f"{100 * s['share_within_cap']:.0f}% of sizes)",
+           "  gap to the best compiled set that fits (points of step FLOPs): median "
+           f"{pt(s['gap_median'])}, p95 {pt(s['gap_p95'])}, max {pt(s['gap_max'])}; sizes "
+           "by gap: " + ", ".join(f"{k}: {v}" for k, v in s["gap_bins"].items())]
+    bad = [r for r in rows if r["outcome"] != "plan" or not r["fits"]
+           or (r["gap"] or 0.0) > 0.005 + 1e-12]
+    if bad:
+        table = [(f"{r['hbm'] / MiB:.2f}", r["outcome"],
+                  "-" if r.get("saved") is None else (",".join(r["saved"]) or "nothing"),
+                  pt(r.get("overhead")), pt(r["best_overhead"]),
+                  ("nothing fits" if r["best_overhead"] is None else "no remat")
+                  if r["best"] is None else (",".join(r["best"]) or "nothing"),
+                  r["compiles"]) for r in bad]
+        out.append("  sizes where fit is off by more than 0.5 points, or refused:")
+        out += ["    " + ln for ln in C.table(table, (
+            "HBM MiB", "outcome", "plan saves", "plan %", "best %", "best saves",
+            "compiles")).splitlines()]
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""MaxText 0.2.5's real training step, as a held-out step of the zoo (a test fixture).
+
+Needs ``maxtext==0.2.5`` and its model dependencies (Python >= 3.12; .ci/maxtext_env.sh
+builds that environment). Nothing here is copied from MaxText: the step is MaxText's own
+code, called the way its ahead-of-time compile entry point calls it:
+
+* ``maxtext.configs.pyconfig.initialize`` on the ``base.yml`` MaxText ships, with a tiny
+  llama2 config (`CONFIG`): ``decoder_block=llama2``, scanned layers, ``dot_product``
+  attention, bfloat16 activations over float32 weights, AdamW (``opt_type=adamw``);
+* ``maxtext.trainers.pre_train.train_compile.get_shaped_inputs``: the abstract NNX train
+  state (``models.Transformer`` + ``nnx.Optimizer``) and batch;
+* ``maxtext.utils.maxtext_utils.get_functional_train_with_signature(train.train_step, ...)``:
+  the real ``train_step`` (MaxText's ``loss_fn`` with ``max_utils.cross_entropy_with_logits``,
+  gradient, ``apply_gradients``, metrics), its shardings and ``donate_argnums=0`` (the
+  state is donated), jitted under ``jax.set_mesh`` and the config's logical axis rules, as
+  ``train_compile.jit_and_compile`` does, on a 1-device CPU mesh.
+
+The remat policy goes in through neuron_remat's MaxText adapter: the policy is turned into
+``remat_policy: custom`` plus one key per tensor (`neuron_remat.adapters.maxtext`), and
+MaxText's ``NNXDecoder.get_remat_policy`` builds its own policy from them. MaxText has no
+config value for no remat (``remat_policy: none`` gives ``policy=None``, which
+``jax.checkpoint`` reads as save nothing), so ``everything_saveable`` alone is injected by
+replacing ``NNXDecoder.get_remat_policy`` while the step is traced (`_no_remat`).
+
+`STEPS` follows tests/cpu/zoo.py's `Spec` protocol (name, split, note, extra,
+``make_step()`` -> ``policy -> jitted step``, ``abstract_args()``), so
+benchmarks/fit_sweep.py's machinery runs on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+MAXTEXT_VERSION = "0.2.5"
+
+CONFIG: dict[str, Any] = dict(
+    run_name="neuron_remat", hardware="cpu", skip_jax_distributed_system=True,
+    enable_checkpointing=False, dataset_type="synthetic", decoder_block="llama2",
+    scan_layers=True, attention="dot_product", dtype="bfloat16", weight_dtype="float32",
+    opt_type="adamw", steps=10, base_emb_dim=128, base_num_query_heads=4,
+    base_num_kv_heads=2, head_dim=32, base_mlp_dim=512, base_num_decoder_layers=4,
+    vocab_size=512, max_target_length=128, per_device_batch_size=2,
+    jax_cache_dir="",  # base.yml turns JAX's persistent compilation cache on (~/jax_cache)
+)
+"""A tiny llama2: 4 scanned layers, hidden 128, GQA 4:2 heads of 32, SwiGLU of 512,
+vocabulary 512, 2 x 128 tokens. No persistent compilation cache: every compile is one."""
+
+
+def available() -> str | None:
+    """None when MaxText imports here; else why not (a skip reason)."""
+    try:
+        import maxtext  # noqa: PLC0415, F401
+        from maxtext.trainers.pre_train import train_compile  # noqa: PLC0415, F401
+    except Exception as err:  # noqa: BLE001 - any reason is a reason to skip
+        return f"MaxText does not import here ({type(err).__name__}: {err})"
+    from maxtext import version  # noqa: PLC0415
+
+    if version.__version__ != MAXTEXT_VERSION:
+        return f"MaxText {version.__version__} here, the fixture is for {MAXTEXT_VERSION}"
+    return None
+
+
+def _base_yml() -> str:
+    import maxtext.configs.pyconfig as pyconfig  # noqa: PLC0415
+
+    return os.path.join(os.path.dirname(pyconfig.__file__), "base.yml")
+
+
+@contextlib.contextmanager
+def _no_remat() -> Iterator[None]:
+    """MaxText's decoder asks ``get_remat_policy()`` for its scan body's policy; answer
+    ``everything_saveable`` while the step is traced."""
+    import jax  # noqa: PLC0415
+    from maxtext.layers import nnx_decoders  # noqa: PLC0415
+
+    cls = nnx_decoders.NNXDecoder
+    original = cls.get_remat_policy
+    cls.get_remat_policy = lambda self: jax.checkpoint_policies.everything_saveable
+    try:
+        yield
+    finally:
+        cls.get_remat_policy = original
+
+
+@contextlib.contextmanager
+def _in_mesh(mesh: Any, rules: Any) -> Iterator[None]:
+    """`mesh` (its abstract mesh under a trace, where ``jax.set_mesh`` refuses) and the
+    logical axis rules, as ``train_compile.jit_and_compile`` sets them."""
+    import jax  # noqa: PLC0415
+    from flax.linen.partitioning import axis_rules  # noqa: PLC0415
+    from jax._src import core  # noqa: PLC0415
+
+    with contextlib.ExitStack() as stack:
+        if core.trace_state_clean():
+            stack.enter_context(jax.set_mesh(mesh))
+        else:
+            stack.enter_context(jax.sharding.use_abstract_mesh(mesh.abstract_mesh))
+        stack.enter_context(axis_rules(rules))
+        yield
+
+
+class MaxTextStep:
+    """MaxText's jitted train step: traced, lowered and called inside its mesh (its
+    abstract mesh when called under a trace) and logical axis rules (and, for no remat,
+    `_no_remat`)."""
+
+    def __init__(self, jitted: Any, mesh: Any, rules: Any, no_remat: bool) -> None:
+        self._jitted, self._mesh, self._rules, self._no_remat = jitted, mesh, rules, no_remat
+
+    @contextlib.contextmanager
+    def _context(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_in_mesh(self._mesh, self._rules))
+            if self._no_remat:
+                stack.enter_context(_no_remat())
+            yield
+
+    def __call__(self, *args: Any) -> Any:
+        with self._context():
+            return self._jitted(*args)
+
+    def lower(self, *args: Any) -> Any:
+        with self._context():
+            return self._jitted.lower(*args)
+
+    def trace(self, *args: Any) -> Any:
+        with self._context():
+            return self._jitted.trace(*args)
+
+
+@dataclass(frozen=True)
+class MaxTextSpec:
+    """MaxText's real training step under `config` (overrides of ``base.yml``)."""
+
+    name: str
+    config: dict[str, Any]
+    split: str = "held-out"
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+    scan: bool = True
+
+    # ---- MaxText's pieces --------------------------------------------------------------
+
+    def maxtext_config(self, overrides: tuple[tuple[str, str], ...] = ()) -> Any:
+        return _config(self.name, tuple(sorted(self.config.items())), overrides)
+
+    def _built(self, overrides: tuple[tuple[str, str], ...],
+               no_remat: bool = False) -> tuple[Any, ...]:
+        return _build(self.name, tuple(sorted(self.config.items())), overrides, no_remat)
+
+    def abstract_args(self) -> tuple[Any, Any]:
+        """(abstract NNX train state, abstract batch), as ``get_shaped_inputs`` gives them."""
+        return self._built(_overrides_of(None))[1]
+
+    def make_step(self) -> Callable[[Any], MaxTextStep]:
+        import jax  # noqa: PLC0415
+
+        def make(policy: Any) -> MaxTextStep:
+            no_remat = policy is jax.checkpoint_policies.everything_saveable
+            overrides = _overrides_of(None if no_remat else policy)
+            jitted, _, mesh, config = self._built(overrides, no_remat)
+            return MaxTextStep(jitted, mesh, config.logical_axis_rules, no_remat)
+
+        return make
+
+    # ---- one decoder layer, for the traced footprint -----------------------------------
+
+    def decoder_layer(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        """``(fn, (x, params, segment_ids, positions))``: one of MaxText's
+        ``LlamaDecoderLayer``s (as the scanned stack calls it: training mode,
+        deterministic) on a batch of activations `x` in the config's dtype; ``fn`` runs
+        inside the mesh and axis rules. The integer segment ids and positions are
+        arguments (not closed over), so JAX lists them as arguments, not constants."""
+        import jax  # noqa: PLC0415
+        import jax.numpy as jnp  # noqa: PLC0415
+        from flax import nnx  # noqa: PLC0415
+        from maxtext.models import llama2  # noqa: PLC0415
+
+        config = self.maxtext_config()
+        mesh = self._built(_overrides_of(None))[2]
+        with _in_mesh(mesh, config.logical_axis_rules):
+            layer = llama2.LlamaDecoderLayer(config=config, model_mode="train", mesh=mesh,
+                                             rngs=nnx.Rngs(0))
+        graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+        b, s = config.micro_batch_size_to_train_on, config.max_target_length
+        x = jax.random.normal(jax.random.PRNGKey(1), (b, s, config.emb_dim)).astype(
+            jnp.dtype(config.dtype))
+        segments = jnp.ones((b, s), jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+
+        def fn(x: Any, params: Any, segments: Any, positions: Any) -> Any:
+            with _in_mesh(mesh, config.logical_axis_rules):
+                out, _ = nnx.merge(graphdef, params, rest)(x, segments, positions, True,
+                                                             "train")
+            return out
+
+        return fn, (x, params, segments, positions)
+
+
+def _overrides_of(policy: Any) -> tuple[tuple[str, str], ...]:
+    """The adapter's MaxText keys for `policy` (None: full remat, MaxText's default)."""
+    if policy is None:
+        return (("remat_policy", "full"),)
+    from neuron_remat.adapters import maxtext  # noqa: PLC0415
+
+    return tuple(sorted(maxtext._overrides(policy, False).items()))  # noqa: SLF001
+
+
+@functools.lru_cache(maxsize=None)
+def _config(name: str, config: tuple[tuple[str, Any], ...],
+            overrides: tuple[tuple[str, str], ...]) -> Any:
+    from maxtext.configs import pyconfig  # noqa: PLC0415
+
+    return pyconfig.initialize([None, _base_yml()], **dict(config), **dict(overrides))
+
+
+@functools.lru_cache(maxsize=None)
+def _build(name: str, config: tuple[tuple[str, Any], ...],
+           overrides: tuple[tuple[str, str], ...], no_remat: bool) -> tuple[Any, ...]:
+    """(jitted step, (abstract state, abstract batch), mesh, MaxText config). `no_remat`
+    gets a jitted function of its own: jit's trace cache does not see `_no_remat`."""
+    del no_remat  # only a cache key
+    import jax  # noqa: PLC0415
+    from flax.linen.partitioning import axis_rules  # noqa: PLC0415
+    from jax.sharding import AxisType, Mesh  # noqa: PLC0415
+    from maxtext.trainers.pre_train import train, train_compile  # noqa: PLC0415
+    from maxtext.utils import maxtext_utils, sharding  # noqa: PLC0415
+
+    cfg = _config(name, config, overrides)
+    devices = maxtext_utils.create_device_mesh(cfg, jax.devices()[:1])
+    mesh = Mesh(devices, cfg.mesh_axes, axis_types=(AxisType.Auto,) * len(cfg.mesh_axes))
+    (args, _, state_shardings, _, model) = train_compile.get_shaped_inputs(mesh, cfg)
+    params_shardings, state_shardings = sharding.maybe_update_params_sharding_with_opt(
+        cfg, state_shardings)
+    input_shardings = sharding.build_zero1_input_state_mesh_shardings(
+        cfg, state_shardings, params_shardings)
+    data_sharding = sharding.get_input_data_sharding(cfg, mesh)
+    func, in_shard, out_shard, static, donate = \
+        maxtext_utils.get_functional_train_with_signature(
+            train.train_step, data_sharding, input_shardings, model, cfg, params_shardings)
+    with jax.set_mesh(mesh), axis_rules(cfg.logical_axis_rules):
+        jitted = jax.jit(func, in_shardings=in_shard, out_shardings=out_shard,
+                         static_argnums=static, donate_argnums=donate)
+    return jitted, tuple(args), mesh, cfg
+
+
+STEPS: dict[str, MaxTextSpec] = {s.name: s for s in [
+    MaxTextSpec(
+        "maxtext-llama2", CONFIG,
+        note=f"MaxText {MAXTEXT_VERSION}'s train_step: models.Transformer, llama2 block, 4 "
+             "scanned layers, bf16 activations, MaxText's cross entropy, AdamW, donated "
+             "state, 1-device CPU mesh"),
+]}
+"""MaxText's steps, by name."""

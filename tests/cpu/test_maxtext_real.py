@@ -1,0 +1,261 @@
+"""neuron_remat on MaxText 0.2.5's real code (tests/cpu/maxtext_zoo.py), held to JAX and XLA.
+
+Skipped unless MaxText 0.2.5 imports (Python >= 3.12: build the environment with
+.ci/maxtext_env.sh and run ``/work/venvs/mt312/bin/python -m pytest
+tests/cpu/test_maxtext_real.py``). MaxText's step is held out: nothing in `fit` was tuned
+on it.
+
+* the traced footprint of MaxText's ``LlamaDecoderLayer`` (bfloat16 activations): every
+  tag in JAX's own VJP jaxpr of the layer is in the footprint, with bytes where JAX saves
+  it, and the kept bytes equal ``saved_residuals``'s on several save sets;
+* `fit` on MaxText's ``train_step`` at HBM sizes between full remat and no remat: the
+  plan's policy, compiled, fits and has the figures the plan states; against the
+  compiled brute force over MaxText's most useful tags (slow), the gap is at most 2
+  points of step FLOPs and there is no refusal while some set fits.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+
+import pytest
+
+import maxtext_zoo as mz
+
+_WHY = mz.available()
+pytestmark = pytest.mark.skipif(_WHY is not None, reason=str(_WHY))
+
+MiB = 1 << 20
+SPEC = mz.STEPS["maxtext-llama2"]
+BRUTE_TAGS = 5
+"""The brute force's tags: `fit`'s most useful ones (2**5 sets and no remat compiled)."""
+SIZES = (0.04, 0.05, 0.5, 1.0)
+"""HBM sizes, as fractions of the way from the smallest compiled set to 5% above no remat
+(benchmarks/maxtext_fit.py's range): where the sets differ most (just above full remat)
+and two wider."""
+
+
+def _bytes(compiled):
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)
+
+
+def _flops(compiled):
+    cost = compiled.cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+
+# --------------------------------------------------------------------------------------
+# The traced footprint of MaxText's decoder layer.
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def layer():
+    return SPEC.decoder_layer()
+
+
+@pytest.fixture(scope="module")
+def footprint(layer):
+    import neuron_remat as nr
+
+    fn, args = layer
+    return nr.traced_footprint(fn, *args)
+
+
+def _emitted_by_jax(fn, args):
+    """Every ``checkpoint_name`` in JAX's VJP jaxpr of `fn`, at any depth."""
+    import jax
+    from jax.extend import core as jcore
+
+    from neuron_remat import _jax_compat
+
+    x, params, segments, positions = args
+    closed = jax.make_jaxpr(lambda a, p: jax.vjp(lambda a, p: fn(a, p, segments, positions),
+                                                 a, p))(x, params)
+    found = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if _jax_compat.is_name_primitive(eqn.primitive):
+                found.add(eqn.params["name"])
+            prim = eqn.params.get("_prim")
+            if prim is not None and type(prim).__name__ == "CheckpointName":
+                found.add(prim.name)
+            for v in eqn.params.values():
+                for item in v if isinstance(v, (tuple, list)) else (v,):
+                    if isinstance(item, jcore.ClosedJaxpr):
+                        walk(item.jaxpr)
+                    elif isinstance(item, jcore.Jaxpr):
+                        walk(item)
+
+    walk(closed.jaxpr)
+    return found
+
+
+def _jax_residuals(fn, args, saved):
+    """JAX's ``saved_residuals`` of the layer checkpointed with `saved` saved: (bytes of
+    the residuals that are not arguments + the layer input's bytes if it is one, the
+    names JAX saves)."""
+    import jax
+    import numpy as np
+
+    from neuron_remat._jax_compat import saved_residuals
+
+    x = args[0]
+    policy = jax.checkpoint_policies.save_only_these_names(*saved)
+    res = saved_residuals(jax.checkpoint(fn, policy=policy), *args)
+    kept, named = 0, set()
+    x_bytes = int(np.prod(x.shape)) * x.dtype.itemsize
+    input_kept = False
+    for aval, desc in res:
+        nbytes = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+        if desc.startswith("from the argument"):
+            # the layer input (x, args[0]) is an activation; the parameters are not
+            if (desc.split()[-1] in ("x", "args[0]") and aval.shape == x.shape
+                    and aval.dtype == x.dtype):
+                input_kept = True
+            continue
+        kept += nbytes
+        if desc.startswith("named "):
+            named.add(desc.split("'")[1])
+    return kept + (x_bytes if input_kept else 0), named
+
+
+def test_layer_runs_in_bfloat16(layer):
+    import jax.numpy as jnp
+
+    fn, args = layer
+    x = args[0]
+    out = fn(*args)
+    assert out.shape == x.shape and out.dtype == jnp.bfloat16, (out.shape, out.dtype)
+
+
+def test_every_tag_maxtext_emits_is_in_the_footprint(layer, footprint):
+    fn, args = layer
+    emitted = _emitted_by_jax(fn, args)
+    # the llama2 layer's projections, attention output and MLP, as MaxText 0.2.5 tags them
+    assert {"query_proj", "key_proj", "value_proj", "out_proj", "mlpwi_0", "mlpwi_1",
+            "mlpwo"} <= emitted, emitted
+    assert emitted <= set(footprint), (sorted(emitted - set(footprint)), sorted(footprint))
+
+
+def test_tags_jax_saves_have_bytes(layer, footprint):
+    fn, args = layer
+    for tag in sorted(footprint):
+        _, named = _jax_residuals(fn, args, (tag,))
+        if tag in named:  # JAX keeps a value for it: the footprint must count bytes
+            assert footprint[tag].size_bytes > 0, (tag, footprint[tag])
+            assert footprint[tag].bytes > 0 or footprint[tag].always_kept, (
+                tag, footprint[tag])
+
+
+def test_kept_bytes_equal_saved_residuals(layer, footprint):
+    fn, args = layer
+    tags = sorted(footprint)
+    subsets = [(), tuple(tags), ("out_proj",), ("query_proj", "key_proj", "value_proj"),
+               ("mlpwi_0", "mlpwi_1"), ("out_proj", "mlpwo"),
+               tuple(t for t in tags if t != "mlpwi_0")]
+    for subset in subsets:
+        expected, _ = _jax_residuals(fn, args, subset)
+        assert footprint.evaluate(subset)[0] == expected, (subset,
+                                                          footprint.evaluate(subset)[0],
+                                                          expected)
+
+
+# --------------------------------------------------------------------------------------
+# fit on MaxText's training step.
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def step():
+    import jax
+
+    make_step, args = SPEC.make_step(), SPEC.abstract_args()
+    full = make_step(jax.checkpoint_policies.save_only_these_names()).lower(*args).compile()
+    none = make_step(jax.checkpoint_policies.everything_saveable).lower(*args).compile()
+    return make_step, args, _bytes(full), _bytes(none)
+
+
+def _device(hbm):
+    import neuron_remat as nr
+
+    return nr.parse_device(f"trn2.48xlarge:hbm={hbm}B:cores=1", source="test_maxtext_real")
+
+
+def _check_plan(plan, make_step, args, hbm):
+    """The plan's own policy, compiled: within `hbm`, and the figures the plan states."""
+    compiled = make_step(plan.policy).lower(*args).compile()
+    nbytes, flops = _bytes(compiled), _flops(compiled)
+    assert nbytes <= hbm, (plan.saved_tags, nbytes / MiB, hbm / MiB)
+    rec = plan.compiled
+    assert rec is not None
+    assert rec.flops == flops, (rec.flops, flops)
+    if rec.measured:
+        assert rec.bytes == nbytes, (rec.bytes, nbytes)
+    return nbytes, flops
+
+
+def test_step_remats(step):
+    _, _, full, none = step
+    # a scanned stack on XLA:CPU: no remat keeps every layer's activations
+    assert none > 1.4 * full, (full / MiB, none / MiB)
+
+
+def test_fit_between_full_and_no_remat(step):
+    import neuron_remat as nr
+
+    make_step, args, full, none = step
+    hbm = int(full + 0.5 * (none - full))
+    plan = nr.fit(make_step, *args, device=_device(hbm), reserve=0,
+                  progress=lambda line: None)
+    _check_plan(plan, make_step, args, hbm)
+
+
+@pytest.mark.slow
+def test_fit_against_the_compiled_brute_force(step):
+    """At the `SIZES`: the plan fits, states its compile, is within 2 points of step FLOPs
+    of the best compiled set over `BRUTE_TAGS` tags (and no remat), and `fit` refuses only
+    where nothing fits. Nothing is cached. (benchmarks/maxtext_fit.py --tags 5 measured
+    gaps of 4.9 and 5.8 points at 27.84 and 28.09 MiB, 4% and 5% of the way: this test
+    is expected to fail there until `fit` does better on this held-out step.)"""
+    import jax
+
+    import neuron_remat as nr
+
+    F = importlib.import_module("neuron_remat._fit")
+    logging.getLogger("neuron_remat.fit").setLevel(logging.ERROR)
+    make_step, args, full, none = step
+    graph = F.step_graph(make_step, *args)
+    pool = F._pool(graph, None)[:BRUTE_TAGS]  # noqa: SLF001
+    table = {None: (none, None)}
+    for r in range(len(pool) + 1):
+        for subset in itertools.combinations(pool, r):
+            c = make_step(jax.checkpoint_policies.save_only_these_names(*subset)).lower(
+                *args).compile()
+            table[subset] = (_bytes(c), _flops(c))
+    c = make_step(jax.checkpoint_policies.everything_saveable).lower(*args).compile()
+    table[None] = (_bytes(c), _flops(c))
+    base = table[None][1]
+    per = graph.count  # XLA:CPU counts a scan body once: a difference is one layer's
+    smallest = min(b for b, _ in table.values())
+    sizes = [int(smallest + f * (1.05 * table[None][0] - smallest)) for f in SIZES]
+    failures = []
+    for hbm in sizes:
+        fits = [f for b, f in table.values() if b <= hbm]
+        try:
+            plan = nr.fit(make_step, *args, device=_device(hbm), reserve=0,
+                          candidates=list(pool), progress=lambda line: None)
+        except nr.NoFitError:
+            if fits:
+                failures.append((hbm / MiB, "refused while a set fits"))
+            continue
+        _, flops = _check_plan(plan, make_step, args, hbm)
+        gap = per * (flops - min(fits)) / graph.no_remat_flops
+        if gap > 0.02 + 1e-12:
+            failures.append((hbm / MiB, plan.saved_tags, f"gap {100 * gap:.2f} points"))
+    assert not failures, failures
