@@ -91,10 +91,26 @@ class Brute:
                 self.table, self.file_tags = data["sets"], data["tags"]
 
     def sets(self) -> list[tuple[str, ...] | None]:
+        """No remat, then every subset in binary counting order: the first 2**k subsets
+        are every subset of the first k tags, so a cache cut short serves a prefix."""
         out: list[tuple[str, ...] | None] = [None]
-        for r in range(len(self.tags) + 1):
-            out.extend(itertools.combinations(self.tags, r))
+        for mask in range(1 << len(self.tags)):
+            out.append(tuple(t for i, t in enumerate(self.tags) if mask >> i & 1))
         return out
+
+    def complete_prefix(self) -> int:
+        """How many of the leading tags the cache covers completely (every subset, and no
+        remat); -1 when not even full remat and no remat are there."""
+        if _key(None) not in self.table:
+            return -1
+        k = -1
+        for mask in range(1 << len(self.tags)):
+            if _key(tuple(t for i, t in enumerate(self.tags) if mask >> i & 1)) \
+                    not in self.table:
+                break
+            if (mask + 1) & mask == 0:  # every subset of the first bit_length(mask+1)-1 tags
+                k = (mask + 1).bit_length() - 1
+        return k
 
     def fill(self, say: Any) -> float:
         """Compile what the cache lacks; seconds spent."""
@@ -280,6 +296,9 @@ def _summary(rows: Sequence[dict[str, Any]], n_frontier: int, oracle: bool) -> d
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = C.parser(__doc__.splitlines()[0], NAME)
     p.add_argument("--brute-only", action="store_true", help="fill the cache and stop")
+    p.add_argument("--cached-only", action="store_true",
+                   help="compile nothing: sweep each step over the leading tags its cache "
+                        "covers completely (a brute force cut short)")
     p.add_argument("--steps", default=None, help="comma-separated zoo steps (default all)")
     args = p.parse_args(argv)
     say = C.Printer(args.quiet)
@@ -309,7 +328,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         pool = F._pool(graph, None)[:min(max_tags, spec.extra.get("brute_tags", max_tags))]
         brute = Brute(spec, pool, args.out / "fit_brute" / f"{name}.json")
         say(f"{name} ({spec.split}): tags {', '.join(pool)}")
-        seconds = brute.fill(say)
+        if args.cached_only:
+            k = brute.complete_prefix()
+            if k < 1:
+                say(f"{name}: skipped (its cache covers no tag completely)")
+                continue
+            if k < len(pool):
+                pool = pool[:k]
+                brute = Brute(spec, pool, brute.path)
+                say(f"{name}: the cache covers the first {k} tags completely; sweeping those")
+            seconds = 0.0
+        else:
+            seconds = brute.fill(say)
         if args.brute_only:
             continue
         step = {"split": spec.split, "tags": list(pool), "brute_seconds": seconds,

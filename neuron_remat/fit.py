@@ -419,6 +419,9 @@ UNTAGGED = 0.25
 FOLLOW = 0.35
 """Memory follows the kept bytes when no remat compiles at least this share of its extra
 kept bytes above full remat (an unrolled Python loop on XLA:CPU: about 0.13)."""
+FLAT_SPAN = 0.1
+"""With the compile as the oracle, two out-of-memory figures test `FOLLOW` only when their
+sets' kept bytes differ by at least this share of the limit."""
 
 
 def _max_compiles(n_tags: int) -> int:
@@ -689,7 +692,11 @@ class _Search:
 
     def _bisect_oracle(self) -> _Candidate | None:
         """No memory figures: bisect the predicted frontier with the compile as the
-        oracle (fits or runs out of memory)."""
+        oracle (fits or runs out of memory), starting at its top (the least recompute:
+        when that fits, nothing is better). An out-of-memory error's byte figure is kept:
+        two sets over the limit whose figures differ by less than `FOLLOW` of their kept
+        bytes say the compiled memory does not follow the kept residuals, and the search
+        stops there, as with memory figures."""
         front = _frontier(self.candidates)
         cap = 1 + math.ceil(math.log2(max(len(front) - 1, 1))) + (len(front) > 1)
         self.max_compiles = min(self.max_compiles, cap) if self.max_compiles else cap
@@ -697,21 +704,49 @@ class _Search:
                  f"Bisecting a predicted frontier of {len(front)} save sets: at most "
                  f"{self.max_compiles} compiles in all")
         lo, hi = len(front) - 1, -1  # front[lo] fits (full remat); front[hi] does not
+        overs: list[tuple[_Candidate, int]] = []
         while lo - hi > 1 and self.used < self.max_compiles:
-            mid = (lo + hi) // 2 if hi >= 0 else (lo - 1) // 2
+            mid = 0 if hi < 0 else (lo + hi) // 2
             c = front[mid]
+            if c.saved in self.compiled:  # full remat is the whole frontier's only set
+                break
             got = self._measure(c)
             if len(self.compiled) == 2 and not got.oom and got.flops == self.compiled[()].flops \
                     and c.kept != self._by[()].kept:
                 raise _PolicyIgnored(f"full remat and {_what(c.saved)} compile to the same "
                                      f"FLOPs ({got.flops / 1e9:.4g} GFLOP)")
-            if got.over(self.limit):
-                hi = mid
-            else:
+            if not got.over(self.limit):
                 lo = mid
+                continue
+            hi = mid
+            if got.reported is not None:
+                overs.append((c, got.reported))
+                if self._flat(overs):
+                    return self.best()
         self.stop = ("bisection converged" if lo - hi <= 1
                      else f"the budget of {self.max_compiles} compiles is spent")
         return front[lo]
+
+    def _flat(self, overs: Sequence[tuple[_Candidate, int]]) -> bool:
+        """Whether the out-of-memory figures seen say the compiled memory does not follow
+        the kept bytes (`noticed` says why): the two sets over the limit furthest apart in
+        kept bytes, at least `FLAT_SPAN` of the limit apart, differ in their figures by
+        less than `FOLLOW` of that."""
+        if len(overs) < 2:
+            return False
+        (a, ra), (b, rb) = max(overs, key=lambda o: o[0].kept), min(overs, key=lambda o: o[0].kept)
+        span = a.kept - b.kept
+        if span < FLAT_SPAN * self.limit or ra - rb >= FOLLOW * span:
+            return False
+        self.noticed = (
+            f"the compiled step's memory does not follow the kept residuals: {_what(a.saved)} "
+            f"keeps {fmt_bytes(span)} more than {_what(b.saved)}, but the compiler's "
+            f"out-of-memory figures differ by {fmt_bytes(ra - rb)} (the compiler schedules "
+            "the layers its own way, as XLA:CPU does an unrolled Python loop); the search was "
+            "not run on: the plan is the least-recompute of the compiled sets that fit")
+        self.stop = "memory does not follow the kept bytes"
+        self.log(f"fit: {self.noticed}")
+        return True
 
     def _rescue(self) -> _Candidate | None:
         """Full remat does not fit: before refusing, compile the sets predicted smallest

@@ -200,7 +200,7 @@ ZOO: dict[str, Spec] = {s.name: s for s in [
     Spec("wide-ffn-sgd-bf16", "train",
          {"q": "q", "k": "k", "v": "v", "context": "ctx", "ffn0": "gate", "ffn1": "up"},
          hidden=64, heads=2, kv_heads=2, head_dim=16, ffn=1024, dtype="bfloat16",
-         optimizer="sgd", donate=False, seq=128,
+         optimizer="sgd", donate=False, seq=128, extra={"brute_tags": 4},
          note="scanned, bf16, narrow MHA attention (2 heads of 16) beside a 16x FFN, SGD, "
               "not donated"),
     Spec("long-seq", "train",
@@ -226,7 +226,7 @@ ZOO: dict[str, Spec] = {s.name: s for s in [
     Spec("big-state", "held-out",
          {"q": "q", "k": "k", "v": "v", "out": "o", "ffn0": "wi0", "ffn1": "wi1"},
          hidden=128, heads=4, kv_heads=4, head_dim=32, ffn=512, seq=64, vocab=2048,
-         dtype="bfloat16", layers=6,
+         dtype="bfloat16", layers=6, extra={"brute_tags": 4},
          note="scanned, bf16, MHA, large vocabulary and few tokens: no remat about 1.5x "
               "full remat, AdamW, donated"),
     Spec("unrolled-gqa2", "held-out", MAXTEXT | {"v": None}, heads=4, kv_heads=2,
