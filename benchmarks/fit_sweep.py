@@ -62,6 +62,28 @@ def _zoo() -> Any:
     return zoo
 
 
+def _extra_steps(modules: Sequence[str]) -> dict[str, Any]:
+    """The steps of each ``--steps-module``: an importable module (``tests.cpu.maxtext_zoo``
+    from the checkout's root) whose ``STEPS`` maps a name to an object with the zoo's
+    `Spec` protocol (tests/cpu/zoo.py). One line naming the module when it cannot be
+    imported or has no ``STEPS``."""
+    if str(C.REPO) not in sys.path:
+        sys.path.insert(0, str(C.REPO))
+    steps: dict[str, Any] = {}
+    for name in modules:
+        try:
+            mod = importlib.import_module(name)
+        except Exception as err:  # noqa: BLE001 - a host library missing on this Python
+            raise SystemExit(f"fit_sweep: --steps-module {name}: cannot import it "
+                             f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+        found = getattr(mod, "STEPS", None)
+        if not isinstance(found, dict) or not found:
+            raise SystemExit(f"fit_sweep: --steps-module {name}: it has no STEPS dict of "
+                             "name -> step (the zoo's Spec protocol, tests/cpu/zoo.py)")
+        steps.update(found)
+    return steps
+
+
 def _key(saved: Sequence[str] | None) -> str:
     return NO_REMAT if saved is None else ",".join(saved)
 
@@ -108,7 +130,7 @@ class Brute:
             if _key(tuple(t for i, t in enumerate(self.tags) if mask >> i & 1)) \
                     not in self.table:
                 break
-            if (mask + 1) & mask == 0:  # every subset of the first bit_length(mask+1)-1 tags
+            if ((mask + 1) & mask) == 0:  # every subset of the first bit_length(mask+1)-1 tags
                 k = (mask + 1).bit_length() - 1
         return k
 
@@ -223,7 +245,7 @@ def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
     # XLA:CPU counts a scan body once (a FLOP difference is one layer's: times the
     # layers); an unrolled stack's every layer. Points of the no-remat step's FLOPs, as
     # the traced count has them.
-    per = graph.count if brute.spec.scan else 1
+    per = graph.count if getattr(brute.spec, "scan", True) else 1
     base = graph.no_remat_flops
     flops0 = brute.get(None)["flops"]
     rows = []
@@ -300,6 +322,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    help="compile nothing: sweep each step over the leading tags its cache "
                         "covers completely (a brute force cut short)")
     p.add_argument("--steps", default=None, help="comma-separated zoo steps (default all)")
+    p.add_argument("--steps-module", action="append", default=[], metavar="MODULE",
+                   help="also sweep the steps of MODULE.STEPS (a dict name -> step with the "
+                        "zoo's Spec protocol, e.g. tests.cpu.maxtext_zoo); repeatable")
     args = p.parse_args(argv)
     say = C.Printer(args.quiet)
     flags = os.environ.get("XLA_FLAGS", "")
@@ -315,14 +340,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     logging.getLogger("neuron_remat.fit").setLevel(logging.ERROR)  # one note per fit
     zoo = _zoo()
-    names = list(zoo.ZOO) if args.steps is None else args.steps.split(",")
+    specs = {**zoo.ZOO, **_extra_steps(args.steps_module)}
+    names = list(specs) if args.steps is None else args.steps.split(",")
+    unknown = [n for n in names if n not in specs]
+    if unknown:
+        raise SystemExit(f"fit_sweep: --steps {','.join(unknown)}: no such step; known: "
+                         f"{', '.join(specs)}")
     max_tags, n_sizes = (3, 10) if args.small else (MAX_TAGS, 100)
     if args.small and args.steps is None:
         names = ["gqa4-adamw", "wide-attn-mqa-adafactor"]
     result: dict[str, Any] = {"steps": {}, "max_tags": max_tags}
     lines: list[str] = []
     for name in names:
-        spec = zoo.ZOO[name]
+        spec = specs[name]
         make_step, step_args = spec.make_step(), spec.abstract_args()
         graph = F.step_graph(make_step, *step_args)
         pool = F._pool(graph, None)[:min(max_tags, spec.extra.get("brute_tags", max_tags))]

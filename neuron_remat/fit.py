@@ -651,6 +651,11 @@ class _Search:
             if not better:
                 self.stop = "every set that recomputes less was compiled"
                 return best
+            if better == [self.candidates[0]] and better[0].saved is None:
+                # the least-recompute save set fits: only no remat is better, and one
+                # compile says whether it fits (its own prediction is the least sure)
+                got = self._measure(better[0])
+                continue
             last = self.used == self.max_compiles - 1
             cautious = last and best.saved == ()
             choice = None

@@ -6,8 +6,21 @@ norm and head, cross-entropy, and an optax optimizer inside the jitted step. The
 differ in structure (GQA ratios from MHA to MQA, a fused QKV projection, a soft-routed MoE
 feed-forward, a wide FFN beside narrow attention and the reverse), dtype (float32,
 bfloat16), optimizer (AdamW, SGD, Adafactor), donation, and in how large no remat is
-against full remat (about 1.1x to 3.2x). Tag names differ too (MaxText's, axlearn-like,
-made up). Every step is small enough to compile in about a second on XLA:CPU.
+against full remat (about 1.1x to 4.3x), and in how many useful tags they have (up to 8).
+Tag names differ too (MaxText's, axlearn-like, made up). Every step compiles in a few
+seconds on an idle XLA:CPU core (about 3 s; the unrolled and bfloat16 ones up to 12 s).
+
+The protocol benchmarks/fit_sweep.py relies on (a step from elsewhere, e.g. a host
+library's real training step, plugs in with ``fit_sweep.py --steps-module MODULE`` when
+``MODULE.STEPS`` maps names to objects that have it):
+
+- ``name: str``, ``split: str`` (``"train"`` or ``"held-out"``), ``note: str``;
+- ``extra: dict``: ``brute_tags`` (int) caps the tags of the brute force;
+- ``scan: bool`` (optional, default True): the layers run in a ``lax.scan``, whose body
+  XLA:CPU's ``cost_analysis()`` counts once;
+- ``make_step()`` returns ``make_step(policy)``, which returns the jitted training step
+  (``.lower(*args).compile()``) whose checkpointed layers use the JAX remat ``policy``;
+- ``abstract_args()`` returns that step's arguments as ``jax.ShapeDtypeStruct``s.
 
 `split` says what each step is for: ``"train"`` steps are the ones `fit`'s search constants
 (`neuron_remat.fit`) were tuned on; ``"held-out"`` steps were not looked at while tuning
