@@ -194,6 +194,32 @@ def test_oracle_bisection_finds_the_frontier_boundary(seed):
         assert len(calls) <= math.log2(len(front)) + 3
 
 
+def test_oracle_notices_memory_that_does_not_follow_the_kept_bytes():
+    """An unrolled stack on XLA:CPU, as a table: every set compiles to about the same bytes
+    whatever it keeps. With the compile as the oracle, two out-of-memory figures that
+    barely differ while their kept bytes differ by many MiB are noticed, and the plan is a
+    compiled set that fits."""
+    cands, _ = _synthetic(6, seed=2, noise=0.0)
+    rng = random.Random(2)
+    table = {c.saved: 60 * MiB + int(rng.uniform(-0.5, 0.5) * MiB) for c in cands}
+    table[()] = 60 * MiB - MiB  # full remat fits
+    limit = 60 * MiB - MiB // 2
+    calls = []
+
+    def measure(c, predicted):
+        calls.append(c.saved)
+        b = table[c.saved]
+        return F._Compiled(None, 0, 0, 0, 0, 1e9 + c.recompute, 0.0, oom=b > limit,
+                           reported=b if b > limit else None)
+
+    s = F._Search(list(cands), measure, limit, 6, stretch=6)
+    got = s.run()
+    assert s.oracle and "does not follow" in s.noticed
+    assert got is not None and table[got.saved] <= limit and got.saved in calls
+    front = F._frontier(cands)
+    assert len(calls) <= math.log2(len(front)) + 3
+
+
 def test_no_remat_is_planned_with_its_own_policy():
     cands, table = _synthetic(4, seed=1, noise=0.0)
     got, s, _ = _run(cands, table, table[None] + MiB)
