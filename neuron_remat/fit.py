@@ -410,8 +410,11 @@ FLOOR = 0.02
 PLAUSIBLE = 0.08
 """A set is worth a compile only when its chance to fit (normal errors of the
 uncertainty's size) is at least this."""
-TAG_RIDGE = 0.5
-"""How hard each tag's share of the misses is pulled towards none (in compiles)."""
+TAG_SD = 0.02
+"""The spread of one tag's effect on the compiled bytes beyond the model, as a share of
+full remat's compiled bytes."""
+SET_SD = 0.004
+"""The spread of one save set's compiled bytes beyond its tags' effects (same unit)."""
 NO_REMAT_SPREAD = 1.5
 """No remat keeps untagged values too: its uncertainty is this multiple..."""
 UNTAGGED = 0.25
@@ -499,6 +502,7 @@ class _Search:
     def __post_init__(self) -> None:
         self._by = {c.saved: c for c in self.candidates}
         self._floor = 1.0
+        self._scale = 1.0  # full remat's compiled bytes, once known
 
     # ---- bookkeeping -----------------------------------------------------------------
 
@@ -517,13 +521,23 @@ class _Search:
                 self.sigma = max(miss, WIDEN * self.sigma)
             else:
                 self.sigma = max(NARROW * self.sigma, self._floor)
-        if got.bytes is not None:
+        if self._figure(got) is not None and self.points():
             self.model = _Model.calibrate(self.points())
         return got
 
+    def _figure(self, r: _Compiled) -> int | None:
+        """A compile's bytes: memory_analysis()'s, or the figure an out-of-memory error
+        gave when it is over the limit (a smaller one is some allocation, not the
+        program's total)."""
+        if r.bytes is not None:
+            return r.bytes
+        if r.oom and r.reported is not None and r.reported > self.limit:
+            return r.reported
+        return None
+
     def points(self) -> list[tuple[int, int, int]]:
-        return [(r.bytes, self._by[s].kept, self._by[s].read)
-                for s, r in self.compiled.items() if r.bytes is not None]
+        return [(b, self._by[s].kept, self._by[s].read) for s, r in self.compiled.items()
+                if s is not None and (b := self._figure(r)) is not None]
 
     def fits(self, saved: Any) -> bool:
         r = self.compiled.get(saved)
@@ -533,11 +547,8 @@ class _Search:
         return next((c for c in self.candidates if self.fits(c.saved)), None)
 
     def predict(self, c: _Candidate) -> int:
-        """The model's figure plus each saved tag's share of the misses seen: a ridge
-        fit (`TAG_RIDGE`) of the model's misses on the compiled save sets over which tags
-        each saves. XLA's buffer packing moves with particular tags (saving one may
-        compile smaller than saving none), and sets sharing that tag share it. No remat
-        is corrected by its own compile only."""
+        """The model's figure plus the saved tags' share of the misses seen (`_tag_effect`).
+        No remat is corrected by its own compile only."""
         assert self.model is not None
         base = self.model.predict(c.kept, c.read)
         if c.saved is None:
@@ -545,29 +556,41 @@ class _Search:
             if got is not None and got.bytes is not None:
                 return got.bytes
             return base
-        shares = self._shares()
-        return base + int(round(sum(shares.get(t, 0.0) for t in c.saved)))
+        return base + int(round(self._tag_effect(c.saved)[0]))
 
-    def _shares(self) -> dict[str, float]:
+    def _tag_effect(self, saved: tuple[str, ...]) -> tuple[float, float]:
+        """What the saved tags add beyond the model, and its variance: the model's misses
+        on the compiled save sets, read as a sum of one unknown effect per saved tag (each
+        normal, sd `TAG_SD` of full remat's bytes) plus noise (sd `SET_SD`). XLA's buffer
+        packing moves with particular tags (saving one may compile smaller than saving
+        none); a set that shares most of its tags with compiled sets is predicted from
+        them, and one made of tags never compiled keeps the tags' whole uncertainty."""
         assert self.model is not None
         key = (len(self.compiled), id(self.model))
-        if getattr(self, "_shares_key", None) == key:
-            return self._shares_cache
-        rows = [(s, got.bytes - self.model.predict(self._by[s].kept, self._by[s].read))
-                for s, got in self.compiled.items() if s is not None and got.bytes is not None]
-        tags = sorted({t for s, _ in rows for t in s})
-        shares: dict[str, float] = {}
-        if rows and tags:
-            x = np.array([[1.0] + [float(t in s) for t in tags] for s, _ in rows])
+        if getattr(self, "_gp_key", None) != key:
+            rows = [(s, b - self.model.predict(self._by[s].kept, self._by[s].read))
+                    for s, got in self.compiled.items()
+                    if s is not None and (b := self._figure(got)) is not None]
+            tags = sorted({t for c in self.candidates if c.saved for t in c.saved})
+            x = np.array([[float(t in s) for t in tags] for s, _ in rows]).reshape(
+                len(rows), len(tags))
             y = np.array([r for _, r in rows], float)
-            reg = np.diag([0.0] + [TAG_RIDGE] * len(tags))
-            coef = np.linalg.solve(x.T @ x + reg + 1e-9 * np.eye(len(tags) + 1), x.T @ y)
-            shares = dict(zip(tags, (float(v) for v in coef[1:])))
-        self._shares_key, self._shares_cache = key, shares
-        return shares
+            tau2, eps2 = (TAG_SD * self._scale) ** 2, (SET_SD * self._scale) ** 2
+            k = tau2 * x @ x.T + eps2 * np.eye(len(rows))
+            kinv = np.linalg.inv(k) if len(rows) else np.zeros((0, 0))
+            self._gp = (tags, x, kinv @ y if len(rows) else y, kinv, tau2, eps2)
+            self._gp_key = key
+        tags, x, alpha, kinv, tau2, eps2 = self._gp
+        v = np.array([float(t in saved) for t in tags])
+        kv = tau2 * x @ v
+        mean = float(kv @ alpha) if len(alpha) else 0.0
+        var = tau2 * float(v.sum()) - (float(kv @ kinv @ kv) if len(alpha) else 0.0)
+        return mean, max(var, 0.0) + eps2
 
     def chance(self, c: _Candidate) -> float:
-        """The chance `c` compiles within the limit, errors normal with the uncertainty."""
+        """The chance `c` compiles within the limit: errors normal, with the search's
+        uncertainty (widened after a miss, narrowed after a hit) and the set's own (its
+        tags' effects, `_tag_effect`)."""
         spread = self.sigma
         if c.saved is None and None not in self.compiled:
             # what no remat keeps beyond the tags (norms, softmaxes, activations) the
@@ -576,6 +599,8 @@ class _Search:
             spread = NO_REMAT_SPREAD * self.sigma + UNTAGGED * self.model.scale * max(
                 c.kept - self.candidates[0 if self.candidates[0].saved is not None
                                         else 1].kept, 0)
+        elif c.saved is not None:
+            spread = math.sqrt(spread ** 2 + self._tag_effect(c.saved)[1])
         return _phi((self.limit - self.predict(c)) / max(spread, 1.0))
 
     # ---- the search ------------------------------------------------------------------
@@ -586,6 +611,7 @@ class _Search:
         full = self._by[()]
         first = self._measure(full)
         self._floor = FLOOR * (first.bytes or first.reported or self.limit)
+        self._scale = float(first.bytes or first.reported or self.limit)
         self.sigma = max(self.band * (first.bytes or self.limit), self._floor)
         if first.bytes is None and not first.oom:
             self.oracle = True
@@ -756,13 +782,14 @@ class _Search:
     def _rescue(self) -> _Candidate | None:
         """Full remat does not fit: before refusing, compile the sets predicted smallest
         (XLA's workspace can drop by more than a tag keeps), one per tag at most."""
-        if self.compiled[()].bytes is not None:
+        if self.points():  # memory figures, or the out-of-memory error's
             self.model = _Model.calibrate(self.points())
         else:
             self.model = _Model(float(self.compiled[()].fixed or 0), 1.0, 1.0)
-        tries = self.max_compiles - self.used + self.stretch
-        for _ in range(max(tries, 0)):
-            left = [c for c in self.candidates if c.saved not in self.compiled]
+        total = self.max_compiles + self.stretch
+        while self.used < total:
+            left = [c for c in self.candidates if c.saved not in self.compiled
+                    and c.saved is not None]  # no remat keeps the most: never smaller
             if not left:
                 break
             c = min(left, key=lambda c: (self.predict(c), c.recompute))
@@ -772,7 +799,8 @@ class _Search:
             if got.bytes is None:  # the compile is the oracle: no walk on figures
                 self.oracle = True
                 break
-            # one fits: recompute less if a compile or two can
+            # one fits: recompute less with what is left of the rescue's budget
+            self.max_compiles = total
             return self._walk()
         best = self.best()
         self.stop = ("full remat does not fit; a set predicted smaller does" if best
