@@ -18,11 +18,13 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    residuals of every layer (exact, from the graphs), read(S) the bytes one layer's
    backward reads that S recomputes, `scale` what the backend stores per kept byte (1, or
    2 where XLA:CPU keeps bfloat16 as float32), `fixed` the state and the
-   policy-independent temporaries. Each saved tag also gets a share of the model's misses
-   (a ridge fit over which tags the compiled sets save): XLA's buffer packing moves with
-   particular tags, and saving one may compile smaller than saving none;
+   policy-independent temporaries. The model's misses are read as one unknown effect per
+   saved tag (a Gaussian process over which tags a set saves, `TAG_SD`, `SET_SD`): XLA's
+   buffer packing moves with particular tags, and saving one may compile smaller than
+   saving none. A set sharing most tags with compiled ones is predicted from them, with
+   little uncertainty; one made of tags never compiled keeps their whole uncertainty;
 3. searches by expected gain: each set that recomputes less than the best compiled fit
-   gets a chance to fit (normal errors of the current uncertainty), and the next compile
+   gets a chance to fit (normal errors: the search's uncertainty and the set's own), and the next compile
    goes to the largest chance x recompute saved, among sets whose chance is at least
    `PLAUSIBLE`. The uncertainty starts at `band` of full remat's bytes, widens after a
    miss (a compile off its prediction by more than it) and narrows after a hit. When two
@@ -33,17 +35,21 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    when the least-recompute set fits, nothing better is plausible, or the budget
    (`max_compiles`, 6 up to 8 tags, said up front) is spent, and logs why; the plan is
    the least-recompute set whose compile fit, never one that did not. No remat is a
-   candidate like the others (its policy: ``everything_saveable``). When full remat does
-   not fit, the sets predicted smallest are compiled (one per tag more) before
-   `NoFitError`.
+   candidate like the others (its policy: ``everything_saveable``), compiled once the
+   least-recompute save set fits. When full remat does not fit, the sets predicted
+   smallest are compiled (one per tag more) before `NoFitError`, and the walk goes on
+   from the first that fits with what is left of that budget.
 
 A backend without ``memory_analysis()`` (it raises, returns None, or reports nothing; the
 Neuron PJRT plugin may not implement it) makes the compile the oracle: an error carrying
 XLA's ``RESOURCE_EXHAUSTED`` or neuronx-cc's NCC_EOOM001/NCC_EOOM002 ("exceeds the
 high-bandwidth memory") means over (`out_of_memory`, byte figures kept), a compile that
-succeeds means it fits. `fit` then bisects the frontier predicted from the graphs
-(arguments + outputs - donated state + kept + recomputed reads), at most
-1 + ceil(log2(frontier)) compiles.
+succeeds means it fits. `fit` then compiles the top of the frontier predicted from the
+graphs (arguments + outputs - donated state + kept + recomputed reads; when it fits,
+nothing is better) and bisects the rest: at most 2 + ceil(log2(frontier - 1)) compiles
+(`_oracle_cap`), within log2(frontier) + 3. The figures of out-of-memory errors (above the
+limit) calibrate the model as memory figures do, and two of them that differ by less than
+`FOLLOW` of their sets' kept bytes say memory does not follow the kept bytes.
 
 Two steps are reported rather than planned: one whose policy changes nothing (full remat
 and every tag saved compile to the same program: `PolicyIgnoredError`), and one whose
@@ -422,9 +428,16 @@ UNTAGGED = 0.25
 FOLLOW = 0.35
 """Memory follows the kept bytes when no remat compiles at least this share of its extra
 kept bytes above full remat (an unrolled Python loop on XLA:CPU: about 0.13)."""
+ORACLE_GUIDED = 1
 FLAT_SPAN = 0.1
 """With the compile as the oracle, two out-of-memory figures test `FOLLOW` only when their
 sets' kept bytes differ by at least this share of the limit."""
+
+
+def _oracle_cap(n_front: int) -> int:
+    """Compiles of the oracle's bisection of a frontier of `n_front` sets: full remat, the
+    frontier's top, then halving the sets between (at most log2(n_front) + 3)."""
+    return 1 + (n_front > 1) + math.ceil(math.log2(max(n_front - 1, 1)))
 
 
 def _max_compiles(n_tags: int) -> int:
@@ -496,6 +509,7 @@ class _Search:
     model: _Model | None = None
     sigma: float = 0.0
     oracle: bool = False
+    budget_given: bool = False  # max_compiles is the user's: the oracle keeps within it
     stop: str = ""
     noticed: str = ""
 
@@ -729,15 +743,15 @@ class _Search:
         bytes say the compiled memory does not follow the kept residuals, and the search
         stops there, as with memory figures."""
         front = _frontier(self.candidates)
-        cap = 1 + math.ceil(math.log2(max(len(front) - 1, 1))) + (len(front) > 1)
-        self.max_compiles = min(self.max_compiles, cap) if self.max_compiles else cap
+        cap = _oracle_cap(len(front))
+        self.max_compiles = min(self.max_compiles, cap) if self.budget_given else cap
         self.log(f"fit: the backend reports no memory figures; the compile is the oracle. "
                  f"Bisecting a predicted frontier of {len(front)} save sets: at most "
                  f"{self.max_compiles} compiles in all")
         lo, hi = len(front) - 1, -1  # front[lo] fits (full remat); front[hi] does not
         overs: list[tuple[_Candidate, int]] = []
         while lo - hi > 1 and self.used < self.max_compiles:
-            mid = 0 if hi < 0 else (lo + hi) // 2
+            mid = 0 if hi < 0 else self._oracle_next(front, lo, hi)
             c = front[mid]
             if c.saved in self.compiled:  # full remat is the whole frontier's only set
                 break
@@ -757,6 +771,17 @@ class _Search:
         self.stop = ("bisection converged" if lo - hi <= 1
                      else f"the budget of {self.max_compiles} compiles is spent")
         return front[lo]
+
+    def _oracle_next(self, front: Sequence[_Candidate], lo: int, hi: int) -> int:
+        """The next frontier index to compile between a set that fits (`lo`) and one over
+        (`hi`): once out-of-memory figures have calibrated the model, the least-recompute
+        set between them predicted within the limit (the interval's midpoint when none
+        is, or no figure came); otherwise the midpoint."""
+        mid = (lo + hi) // 2
+        if self.model is None or ORACLE_GUIDED == 0:
+            return mid
+        inside = [i for i in range(hi + 1, lo) if self.predict(front[i]) <= self.limit]
+        return inside[0] if inside else mid
 
     def _flat(self, overs: Sequence[tuple[_Candidate, int]]) -> bool:
         """Whether the out-of-memory figures seen say the compiled memory does not follow
@@ -924,7 +949,7 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
     progress(f"fit: {len(tags)} candidate tags, {len(cands)} save sets (no remat "
              f"included); at most {budget} compiles ({budget + stretch} if full remat does "
              f"not fit; a backend without memory_analysis() bisects instead: at most "
-             f"{1 + math.ceil(math.log2(max(len(_frontier(cands)), 2)))})")
+             f"{_oracle_cap(len(_frontier(cands)))})")
 
     def measure(c: _Candidate, predicted: int | None) -> _Compiled:
         label = ("full remat" if c.saved == () else NO_REMAT if c.saved is None
@@ -946,7 +971,8 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
                  f"{r.seconds:.1f} s")
         return r
 
-    search = _Search(cands, measure, limit, budget, band, stretch, progress)
+    search = _Search(cands, measure, limit, budget, band, stretch, progress,
+                     budget_given=max_compiles is not None)
     try:
         best = search.run()
     except _PolicyIgnored as err:
@@ -1159,7 +1185,7 @@ def fit_preview(make_step: Callable[[Any], Any], *args: Any,
                   r.temp, r.alias, r.flops, r.seconds, None, out_of_memory=r.oom,
                   reported_bytes=r.reported)
     budget = max_compiles or (_max_compiles(len(tags)) if measured else
-                              1 + math.ceil(math.log2(max(len(front), 2))))
+                              _oracle_cap(len(front)))
     return FitPreview(limit, probe, tuple(tags),
                       tuple((c.saved, model.predict(c.kept, c.read), float(c.recompute))
                             for c in front), budget, measured, float(graph.no_remat_flops))
