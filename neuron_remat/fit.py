@@ -706,6 +706,8 @@ class _Search:
             if choice is None:
                 scored = []
                 for c in better:
+                    if c.saved is None:  # no remat: only once the least-recompute set fits
+                        continue
                     p = self.chance(c)
                     if p < PLAUSIBLE or (cautious and p < 0.5):
                         continue
