@@ -18,11 +18,13 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    residuals of every layer (exact, from the graphs), read(S) the bytes one layer's
    backward reads that S recomputes, `scale` what the backend stores per kept byte (1, or
    2 where XLA:CPU keeps bfloat16 as float32), `fixed` the state and the
-   policy-independent temporaries. Each saved tag also gets a share of the model's misses
-   (a ridge fit over which tags the compiled sets save): XLA's buffer packing moves with
-   particular tags, and saving one may compile smaller than saving none;
+   policy-independent temporaries. The model's misses are read as one unknown effect per
+   saved tag (a Gaussian process over which tags a set saves, `TAG_SD`, `SET_SD`): XLA's
+   buffer packing moves with particular tags, and saving one may compile smaller than
+   saving none. A set sharing most tags with compiled ones is predicted from them, with
+   little uncertainty; one made of tags never compiled keeps their whole uncertainty;
 3. searches by expected gain: each set that recomputes less than the best compiled fit
-   gets a chance to fit (normal errors of the current uncertainty), and the next compile
+   gets a chance to fit (normal errors: the search's uncertainty and the set's own), and the next compile
    goes to the largest chance x recompute saved, among sets whose chance is at least
    `PLAUSIBLE`. The uncertainty starts at `band` of full remat's bytes, widens after a
    miss (a compile off its prediction by more than it) and narrows after a hit. When two
@@ -33,17 +35,21 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    when the least-recompute set fits, nothing better is plausible, or the budget
    (`max_compiles`, 6 up to 8 tags, said up front) is spent, and logs why; the plan is
    the least-recompute set whose compile fit, never one that did not. No remat is a
-   candidate like the others (its policy: ``everything_saveable``). When full remat does
-   not fit, the sets predicted smallest are compiled (one per tag more) before
-   `NoFitError`.
+   candidate like the others (its policy: ``everything_saveable``), compiled once the
+   least-recompute save set fits. When full remat does not fit, the sets predicted
+   smallest are compiled (one per tag more) before `NoFitError`, and the walk goes on
+   from the first that fits with what is left of that budget.
 
 A backend without ``memory_analysis()`` (it raises, returns None, or reports nothing; the
 Neuron PJRT plugin may not implement it) makes the compile the oracle: an error carrying
 XLA's ``RESOURCE_EXHAUSTED`` or neuronx-cc's NCC_EOOM001/NCC_EOOM002 ("exceeds the
 high-bandwidth memory") means over (`out_of_memory`, byte figures kept), a compile that
-succeeds means it fits. `fit` then bisects the frontier predicted from the graphs
-(arguments + outputs - donated state + kept + recomputed reads), at most
-1 + ceil(log2(frontier)) compiles.
+succeeds means it fits. `fit` then compiles the top of the frontier predicted from the
+graphs (arguments + outputs - donated state + kept + recomputed reads; when it fits,
+nothing is better) and bisects the rest: at most 2 + ceil(log2(frontier - 1)) compiles
+(`_oracle_cap`), within log2(frontier) + 3. The figures of out-of-memory errors (above the
+limit) calibrate the model as memory figures do, and two of them that differ by less than
+`FOLLOW` of their sets' kept bytes say memory does not follow the kept bytes.
 
 Two steps are reported rather than planned: one whose policy changes nothing (full remat
 and every tag saved compile to the same program: `PolicyIgnoredError`), and one whose
@@ -464,8 +470,11 @@ FLOOR = 0.02
 PLAUSIBLE = 0.08
 """A set is worth a compile only when its chance to fit (normal errors of the
 uncertainty's size) is at least this."""
-TAG_RIDGE = 0.5
-"""How hard each tag's share of the misses is pulled towards none (in compiles)."""
+TAG_SD = 0.02
+"""The spread of one tag's effect on the compiled bytes beyond the model, as a share of
+full remat's compiled bytes."""
+SET_SD = 0.004
+"""The spread of one save set's compiled bytes beyond its tags' effects (same unit)."""
 NO_REMAT_SPREAD = 1.5
 """No remat keeps untagged values too: its uncertainty is this multiple..."""
 UNTAGGED = 0.25
@@ -473,6 +482,16 @@ UNTAGGED = 0.25
 FOLLOW = 0.35
 """Memory follows the kept bytes when no remat compiles at least this share of its extra
 kept bytes above full remat (an unrolled Python loop on XLA:CPU: about 0.13)."""
+ORACLE_GUIDED = 1
+FLAT_SPAN = 0.1
+"""With the compile as the oracle, two out-of-memory figures test `FOLLOW` only when their
+sets' kept bytes differ by at least this share of the limit."""
+
+
+def _oracle_cap(n_front: int) -> int:
+    """Compiles of the oracle's bisection of a frontier of `n_front` sets: full remat, the
+    frontier's top, then halving the sets between (at most log2(n_front) + 3)."""
+    return 1 + (n_front > 1) + math.ceil(math.log2(max(n_front - 1, 1)))
 
 
 def _max_compiles(n_tags: int) -> int:
@@ -544,12 +563,14 @@ class _Search:
     model: _Model | None = None
     sigma: float = 0.0
     oracle: bool = False
+    budget_given: bool = False  # max_compiles is the user's: the oracle keeps within it
     stop: str = ""
     noticed: str = ""
 
     def __post_init__(self) -> None:
         self._by = {c.saved: c for c in self.candidates}
         self._floor = 1.0
+        self._scale = 1.0  # full remat's compiled bytes, once known
 
     # ---- bookkeeping -----------------------------------------------------------------
 
@@ -568,13 +589,23 @@ class _Search:
                 self.sigma = max(miss, WIDEN * self.sigma)
             else:
                 self.sigma = max(NARROW * self.sigma, self._floor)
-        if got.bytes is not None:
+        if self._figure(got) is not None and self.points():
             self.model = _Model.calibrate(self.points())
         return got
 
+    def _figure(self, r: _Compiled) -> int | None:
+        """A compile's bytes: memory_analysis()'s, or the figure an out-of-memory error
+        gave when it is over the limit (a smaller one is some allocation, not the
+        program's total)."""
+        if r.bytes is not None:
+            return r.bytes
+        if r.oom and r.reported is not None and r.reported > self.limit:
+            return r.reported
+        return None
+
     def points(self) -> list[tuple[int, int, int]]:
-        return [(r.bytes, self._by[s].kept, self._by[s].read)
-                for s, r in self.compiled.items() if r.bytes is not None]
+        return [(b, self._by[s].kept, self._by[s].read) for s, r in self.compiled.items()
+                if s is not None and (b := self._figure(r)) is not None]
 
     def fits(self, saved: Any) -> bool:
         r = self.compiled.get(saved)
@@ -584,11 +615,8 @@ class _Search:
         return next((c for c in self.candidates if self.fits(c.saved)), None)
 
     def predict(self, c: _Candidate) -> int:
-        """The model's figure plus each saved tag's share of the misses seen: a ridge
-        fit (`TAG_RIDGE`) of the model's misses on the compiled save sets over which tags
-        each saves. XLA's buffer packing moves with particular tags (saving one may
-        compile smaller than saving none), and sets sharing that tag share it. No remat
-        is corrected by its own compile only."""
+        """The model's figure plus the saved tags' share of the misses seen (`_tag_effect`).
+        No remat is corrected by its own compile only."""
         assert self.model is not None
         base = self.model.predict(c.kept, c.read)
         if c.saved is None:
@@ -596,29 +624,41 @@ class _Search:
             if got is not None and got.bytes is not None:
                 return got.bytes
             return base
-        shares = self._shares()
-        return base + int(round(sum(shares.get(t, 0.0) for t in c.saved)))
+        return base + int(round(self._tag_effect(c.saved)[0]))
 
-    def _shares(self) -> dict[str, float]:
+    def _tag_effect(self, saved: tuple[str, ...]) -> tuple[float, float]:
+        """What the saved tags add beyond the model, and its variance: the model's misses
+        on the compiled save sets, read as a sum of one unknown effect per saved tag (each
+        normal, sd `TAG_SD` of full remat's bytes) plus noise (sd `SET_SD`). XLA's buffer
+        packing moves with particular tags (saving one may compile smaller than saving
+        none); a set that shares most of its tags with compiled sets is predicted from
+        them, and one made of tags never compiled keeps the tags' whole uncertainty."""
         assert self.model is not None
         key = (len(self.compiled), id(self.model))
-        if getattr(self, "_shares_key", None) == key:
-            return self._shares_cache
-        rows = [(s, got.bytes - self.model.predict(self._by[s].kept, self._by[s].read))
-                for s, got in self.compiled.items() if s is not None and got.bytes is not None]
-        tags = sorted({t for s, _ in rows for t in s})
-        shares: dict[str, float] = {}
-        if rows and tags:
-            x = np.array([[1.0] + [float(t in s) for t in tags] for s, _ in rows])
+        if getattr(self, "_gp_key", None) != key:
+            rows = [(s, b - self.model.predict(self._by[s].kept, self._by[s].read))
+                    for s, got in self.compiled.items()
+                    if s is not None and (b := self._figure(got)) is not None]
+            tags = sorted({t for c in self.candidates if c.saved for t in c.saved})
+            x = np.array([[float(t in s) for t in tags] for s, _ in rows]).reshape(
+                len(rows), len(tags))
             y = np.array([r for _, r in rows], float)
-            reg = np.diag([0.0] + [TAG_RIDGE] * len(tags))
-            coef = np.linalg.solve(x.T @ x + reg + 1e-9 * np.eye(len(tags) + 1), x.T @ y)
-            shares = dict(zip(tags, (float(v) for v in coef[1:])))
-        self._shares_key, self._shares_cache = key, shares
-        return shares
+            tau2, eps2 = (TAG_SD * self._scale) ** 2, (SET_SD * self._scale) ** 2
+            k = tau2 * x @ x.T + eps2 * np.eye(len(rows))
+            kinv = np.linalg.inv(k) if len(rows) else np.zeros((0, 0))
+            self._gp = (tags, x, kinv @ y if len(rows) else y, kinv, tau2, eps2)
+            self._gp_key = key
+        tags, x, alpha, kinv, tau2, eps2 = self._gp
+        v = np.array([float(t in saved) for t in tags])
+        kv = tau2 * x @ v
+        mean = float(kv @ alpha) if len(alpha) else 0.0
+        var = tau2 * float(v.sum()) - (float(kv @ kinv @ kv) if len(alpha) else 0.0)
+        return mean, max(var, 0.0) + eps2
 
     def chance(self, c: _Candidate) -> float:
-        """The chance `c` compiles within the limit, errors normal with the uncertainty."""
+        """The chance `c` compiles within the limit: errors normal, with the search's
+        uncertainty (widened after a miss, narrowed after a hit) and the set's own (its
+        tags' effects, `_tag_effect`)."""
         spread = self.sigma
         if c.saved is None and None not in self.compiled:
             # what no remat keeps beyond the tags (norms, softmaxes, activations) the
@@ -627,6 +667,8 @@ class _Search:
             spread = NO_REMAT_SPREAD * self.sigma + UNTAGGED * self.model.scale * max(
                 c.kept - self.candidates[0 if self.candidates[0].saved is not None
                                         else 1].kept, 0)
+        elif c.saved is not None:
+            spread = math.sqrt(spread ** 2 + self._tag_effect(c.saved)[1])
         return _phi((self.limit - self.predict(c)) / max(spread, 1.0))
 
     # ---- the search ------------------------------------------------------------------
@@ -637,6 +679,7 @@ class _Search:
         full = self._by[()]
         first = self._measure(full)
         self._floor = FLOOR * (first.bytes or first.reported or self.limit)
+        self._scale = float(first.bytes or first.reported or self.limit)
         self.sigma = max(self.band * (first.bytes or self.limit), self._floor)
         if first.bytes is None and not first.oom:
             self.oracle = True
@@ -702,6 +745,11 @@ class _Search:
             if not better:
                 self.stop = "every set that recomputes less was compiled"
                 return best
+            if better == [self.candidates[0]] and better[0].saved is None:
+                # the least-recompute save set fits: only no remat is better, and one
+                # compile says whether it fits (its own prediction is the least sure)
+                got = self._measure(better[0])
+                continue
             last = self.used == self.max_compiles - 1
             cautious = last and best.saved == ()
             choice = None
@@ -712,6 +760,8 @@ class _Search:
             if choice is None:
                 scored = []
                 for c in better:
+                    if c.saved is None:  # no remat: only once the least-recompute set fits
+                        continue
                     p = self.chance(c)
                     if p < PLAUSIBLE or (cautious and p < 0.5):
                         continue
@@ -743,40 +793,84 @@ class _Search:
 
     def _bisect_oracle(self) -> _Candidate | None:
         """No memory figures: bisect the predicted frontier with the compile as the
-        oracle (fits or runs out of memory)."""
+        oracle (fits or runs out of memory), starting at its top (the least recompute:
+        when that fits, nothing is better). An out-of-memory error's byte figure is kept:
+        two sets over the limit whose figures differ by less than `FOLLOW` of their kept
+        bytes say the compiled memory does not follow the kept residuals, and the search
+        stops there, as with memory figures."""
         front = _frontier(self.candidates)
-        cap = 1 + math.ceil(math.log2(max(len(front) - 1, 1))) + (len(front) > 1)
-        self.max_compiles = min(self.max_compiles, cap) if self.max_compiles else cap
+        cap = _oracle_cap(len(front))
+        self.max_compiles = min(self.max_compiles, cap) if self.budget_given else cap
         self.log(f"fit: the backend reports no memory figures; the compile is the oracle. "
                  f"Bisecting a predicted frontier of {len(front)} save sets: at most "
                  f"{self.max_compiles} compiles in all")
         lo, hi = len(front) - 1, -1  # front[lo] fits (full remat); front[hi] does not
+        overs: list[tuple[_Candidate, int]] = []
         while lo - hi > 1 and self.used < self.max_compiles:
-            mid = (lo + hi) // 2 if hi >= 0 else (lo - 1) // 2
+            mid = 0 if hi < 0 else self._oracle_next(front, lo, hi)
             c = front[mid]
+            if c.saved in self.compiled:  # full remat is the whole frontier's only set
+                break
             got = self._measure(c)
             if len(self.compiled) == 2 and not got.oom and got.flops == self.compiled[()].flops \
                     and c.kept != self._by[()].kept:
                 raise _PolicyIgnored(f"full remat and {_what(c.saved)} compile to the same "
                                      f"FLOPs ({got.flops / 1e9:.4g} GFLOP)")
-            if got.over(self.limit):
-                hi = mid
-            else:
+            if not got.over(self.limit):
                 lo = mid
+                continue
+            hi = mid
+            if got.reported is not None:
+                overs.append((c, got.reported))
+                if self._flat(overs):
+                    return self.best()
         self.stop = ("bisection converged" if lo - hi <= 1
                      else f"the budget of {self.max_compiles} compiles is spent")
         return front[lo]
 
+    def _oracle_next(self, front: Sequence[_Candidate], lo: int, hi: int) -> int:
+        """The next frontier index to compile between a set that fits (`lo`) and one over
+        (`hi`): once out-of-memory figures have calibrated the model, the least-recompute
+        set between them predicted within the limit (the interval's midpoint when none
+        is, or no figure came); otherwise the midpoint."""
+        mid = (lo + hi) // 2
+        if self.model is None or ORACLE_GUIDED == 0:
+            return mid
+        inside = [i for i in range(hi + 1, lo) if self.predict(front[i]) <= self.limit]
+        return inside[0] if inside else mid
+
+    def _flat(self, overs: Sequence[tuple[_Candidate, int]]) -> bool:
+        """Whether the out-of-memory figures seen say the compiled memory does not follow
+        the kept bytes (`noticed` says why): the two sets over the limit furthest apart in
+        kept bytes, at least `FLAT_SPAN` of the limit apart, differ in their figures by
+        less than `FOLLOW` of that."""
+        if len(overs) < 2:
+            return False
+        (a, ra), (b, rb) = max(overs, key=lambda o: o[0].kept), min(overs, key=lambda o: o[0].kept)
+        span = a.kept - b.kept
+        if span < FLAT_SPAN * self.limit or ra - rb >= FOLLOW * span:
+            return False
+        self.noticed = (
+            f"the compiled step's memory does not follow the kept residuals: {_what(a.saved)} "
+            f"keeps {fmt_bytes(span)} more than {_what(b.saved)}, but the compiler's "
+            f"out-of-memory figures differ by {fmt_bytes(ra - rb)} (the compiler schedules "
+            "the layers its own way, as XLA:CPU does an unrolled Python loop); the search was "
+            "not run on: the plan is the least-recompute of the compiled sets that fit")
+        self.stop = "memory does not follow the kept bytes"
+        self.log(f"fit: {self.noticed}")
+        return True
+
     def _rescue(self) -> _Candidate | None:
         """Full remat does not fit: before refusing, compile the sets predicted smallest
         (XLA's workspace can drop by more than a tag keeps), one per tag at most."""
-        if self.compiled[()].bytes is not None:
+        if self.points():  # memory figures, or the out-of-memory error's
             self.model = _Model.calibrate(self.points())
         else:
             self.model = _Model(float(self.compiled[()].fixed or 0), 1.0, 1.0)
-        tries = self.max_compiles - self.used + self.stretch
-        for _ in range(max(tries, 0)):
-            left = [c for c in self.candidates if c.saved not in self.compiled]
+        total = self.max_compiles + self.stretch
+        while self.used < total:
+            left = [c for c in self.candidates if c.saved not in self.compiled
+                    and c.saved is not None]  # no remat keeps the most: never smaller
             if not left:
                 break
             c = min(left, key=lambda c: (self.predict(c), c.recompute))
@@ -786,7 +880,8 @@ class _Search:
             if got.bytes is None:  # the compile is the oracle: no walk on figures
                 self.oracle = True
                 break
-            # one fits: recompute less if a compile or two can
+            # one fits: recompute less with what is left of the rescue's budget
+            self.max_compiles = total
             return self._walk()
         best = self.best()
         self.stop = ("full remat does not fit; a set predicted smaller does" if best
@@ -912,7 +1007,7 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
     progress(f"fit: {len(tags)} candidate tags, {len(cands)} save sets (no remat "
              f"included); at most {budget} compiles ({budget + stretch} if full remat does "
              f"not fit; a backend without memory_analysis() bisects instead: at most "
-             f"{1 + math.ceil(math.log2(max(len(_frontier(cands)), 2)))})")
+             f"{_oracle_cap(len(_frontier(cands)))})")
 
     def measure(c: _Candidate, predicted: int | None) -> _Compiled:
         label = ("full remat" if c.saved == () else NO_REMAT if c.saved is None
@@ -934,7 +1029,8 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
                  f"{r.seconds:.1f} s")
         return r
 
-    search = _Search(cands, measure, limit, budget, band, stretch, progress)
+    search = _Search(cands, measure, limit, budget, band, stretch, progress,
+                     budget_given=max_compiles is not None)
     try:
         best = search.run()
     except _PolicyIgnored as err:
@@ -1147,7 +1243,7 @@ def fit_preview(make_step: Callable[[Any], Any], *args: Any,
                   r.temp, r.alias, r.flops, r.seconds, None, out_of_memory=r.oom,
                   reported_bytes=r.reported)
     budget = max_compiles or (_max_compiles(len(tags)) if measured else
-                              1 + math.ceil(math.log2(max(len(front), 2))))
+                              _oracle_cap(len(front)))
     return FitPreview(limit, probe, tuple(tags),
                       tuple((c.saved, model.predict(c.kept, c.read), float(c.recompute))
                             for c in front), budget, measured, float(graph.no_remat_flops))

@@ -194,6 +194,32 @@ def test_oracle_bisection_finds_the_frontier_boundary(seed):
         assert len(calls) <= math.log2(len(front)) + 3
 
 
+def test_oracle_notices_memory_that_does_not_follow_the_kept_bytes():
+    """An unrolled stack on XLA:CPU, as a table: every set compiles to about the same bytes
+    whatever it keeps. With the compile as the oracle, two out-of-memory figures that
+    barely differ while their kept bytes differ by many MiB are noticed, and the plan is a
+    compiled set that fits."""
+    cands, _ = _synthetic(6, seed=2, noise=0.0)
+    rng = random.Random(2)
+    table = {c.saved: 60 * MiB + int(rng.uniform(-0.5, 0.5) * MiB) for c in cands}
+    table[()] = 60 * MiB - MiB  # full remat fits
+    limit = 60 * MiB - MiB // 2
+    calls = []
+
+    def measure(c, predicted):
+        calls.append(c.saved)
+        b = table[c.saved]
+        return F._Compiled(None, 0, 0, 0, 0, 1e9 + c.recompute, 0.0, oom=b > limit,
+                           reported=b if b > limit else None)
+
+    s = F._Search(list(cands), measure, limit, 6, stretch=6)
+    got = s.run()
+    assert s.oracle and "does not follow" in s.noticed
+    assert got is not None and table[got.saved] <= limit and got.saved in calls
+    front = F._frontier(cands)
+    assert len(calls) <= math.log2(len(front)) + 3
+
+
 def test_no_remat_is_planned_with_its_own_policy():
     cands, table = _synthetic(4, seed=1, noise=0.0)
     got, s, _ = _run(cands, table, table[None] + MiB)
@@ -251,3 +277,19 @@ def test_zoo_is_varied():
     assert len({s.heads // s.kv_heads for s in specs}) >= 3
     assert {s.split for s in specs} == {"train", "held-out"}
     np.testing.assert_equal(len({s.name for s in specs}), len(specs))
+
+
+@pytest.mark.slow  # a few minutes: 18 compiles, then 2 x 11 fits served from them
+def test_sweep_small_meets_done_when(tmp_path):
+    """benchmarks/fit_sweep.py --small: two zoo steps (one train, one held-out), 3 tags,
+    11 sizes, both modes, against the compiled brute force (the expected values: XLA's
+    figures for every save set, not fit's model)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    fit_sweep = importlib.import_module("fit_sweep")
+    result = fit_sweep.main(["--small", "--quiet", "--out", str(tmp_path)])
+    assert set(result["steps"]) == {"gqa4-adamw", "wide-attn-mqa-adafactor"}
+    for key, d in result["done_when"].items():
+        assert d["passed"], (key, d)
+    for st in result["steps"].values():
+        for m in st["modes"].values():
+            assert m["summary"]["sizes"] == 11 and m["summary"]["reported"] == 0

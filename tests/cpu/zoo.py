@@ -6,8 +6,21 @@ norm and head, cross-entropy, and an optax optimizer inside the jitted step. The
 differ in structure (GQA ratios from MHA to MQA, a fused QKV projection, a soft-routed MoE
 feed-forward, a wide FFN beside narrow attention and the reverse), dtype (float32,
 bfloat16), optimizer (AdamW, SGD, Adafactor), donation, and in how large no remat is
-against full remat (about 1.1x to 3.2x). Tag names differ too (MaxText's, axlearn-like,
-made up). Every step is small enough to compile in about a second on XLA:CPU.
+against full remat (about 1.1x to 4.3x), and in how many useful tags they have (up to 8).
+Tag names differ too (MaxText's, axlearn-like, made up). Every step compiles in a few
+seconds on an idle XLA:CPU core (about 3 s; the unrolled and bfloat16 ones up to 12 s).
+
+The protocol benchmarks/fit_sweep.py relies on (a step from elsewhere, e.g. a host
+library's real training step, plugs in with ``fit_sweep.py --steps-module MODULE`` when
+``MODULE.STEPS`` maps names to objects that have it):
+
+- ``name: str``, ``split: str`` (``"train"`` or ``"held-out"``), ``note: str``;
+- ``extra: dict``: ``brute_tags`` (int) caps the tags of the brute force;
+- ``scan: bool`` (optional, default True): the layers run in a ``lax.scan``, whose body
+  XLA:CPU's ``cost_analysis()`` counts once;
+- ``make_step()`` returns ``make_step(policy)``, which returns the jitted training step
+  (``.lower(*args).compile()``) whose checkpointed layers use the JAX remat ``policy``;
+- ``abstract_args()`` returns that step's arguments as ``jax.ShapeDtypeStruct``s.
 
 `split` says what each step is for: ``"train"`` steps are the ones `fit`'s search constants
 (`neuron_remat.fit`) were tuned on; ``"held-out"`` steps were not looked at while tuning
@@ -39,8 +52,8 @@ MAXTEXT = {"q": "query_proj", "k": "key_proj", "v": "value_proj", "context": "co
 
 @dataclass(frozen=True)
 class Spec:
-    """One training step of the zoo. `tags` maps a layer role (q, k, v, qkv, context, out,
-    ffn0, ffn1, ffn_out, router, expert_in, moe_out) to its ``checkpoint_name``; a role not
+    """One training step of the zoo. `tags` maps a layer role (q, k, v, qkv, scores,
+    context, out, ffn0, ffn1, ffn_out, router, expert_in, moe_out) to its ``checkpoint_name``; a role not
     in it is not tagged."""
 
     name: str
@@ -144,7 +157,8 @@ class Spec:
             q, k, v = (t(h @ p["wq"], "q"), t(h @ p["wk"], "k"), t(h @ p["wv"], "v"))
         q = q.reshape(b, s, nk, nh // nk, hd)
         k, v = k.reshape(b, s, nk, hd), v.reshape(b, s, nk, hd)
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / hd ** 0.5
+        scores = t(jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / hd ** 0.5,
+                   "scores")
         mask = jnp.tril(jnp.ones((s, s), bool))
         probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), -1).astype(x.dtype)
         ctx = jnp.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(b, s, nh * hd)
@@ -207,29 +221,29 @@ class Spec:
 
 ZOO: dict[str, Spec] = {s.name: s for s in [
     # --- train: fit's constants were tuned on these ---
-    Spec("gqa4-adamw", "train", MAXTEXT | {"context": None}, heads=8, kv_heads=2,
+    Spec("gqa4-adamw", "train", MAXTEXT | {"scores": "attn_scores"}, heads=8, kv_heads=2,
          head_dim=16, hidden=128, ffn=256, seq=128,
-         note="scanned, f32, GQA 4:1, SwiGLU, AdamW, donated, MaxText tag names"),
+         note="scanned, f32, GQA 4:1, SwiGLU, AdamW, donated, MaxText tag names: 8 tags"),
     Spec("wide-ffn-sgd-bf16", "train",
          {"q": "q", "k": "k", "v": "v", "context": "ctx", "ffn0": "gate", "ffn1": "up"},
          hidden=64, heads=2, kv_heads=2, head_dim=16, ffn=1024, dtype="bfloat16",
-         optimizer="sgd", donate=False, seq=128,
+         optimizer="sgd", donate=False, seq=128, extra={"brute_tags": 4},
          note="scanned, bf16, narrow MHA attention (2 heads of 16) beside a 16x FFN, SGD, "
               "not donated"),
     Spec("long-seq", "train",
          {"q": "q_proj", "k": "k_proj", "context": "attn_ctx", "out": "o_proj",
           "ffn0": "w_gate", "ffn_out": "ffn_out"},
          hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, seq=384, vocab=128,
-         optimizer="sgd",
-         note="scanned, f32, long sequence, small state: no remat about 3.2x full remat"),
+         optimizer="sgd", layers=6,
+         note="scanned, f32, long sequence, small state: no remat about 4x full remat"),
     # --- held-out: not looked at while tuning ---
     Spec("wide-attn-mqa-adafactor", "held-out",
          {"q": "attn_q", "k": "attn_k", "v": "attn_v", "context": "attn_o_in",
-          "out": "attn_out", "ffn0": "mlp_in"},
+          "out": "attn_out", "ffn0": "mlp_in", "ffn1": "mlp_gate", "scores": "attn_logits"},
          hidden=64, heads=16, kv_heads=1, head_dim=32, ffn=32, seq=96,
          optimizer="adafactor",
          note="scanned, f32, wide MQA attention (16 heads of 32 over 1 KV head) beside a "
-              "narrow FFN, Adafactor, donated"),
+              "narrow FFN, Adafactor, donated: 8 tags"),
     Spec("moe-fused-qkv", "held-out",
          {"qkv": "qkv_proj", "context": "context", "out": "out_proj", "router": "router",
           "expert_in": "expert_hidden", "moe_out": "moe_out"},
@@ -238,9 +252,9 @@ ZOO: dict[str, Spec] = {s.name: s for s in [
          note="scanned, f32, fused QKV, soft-routed MoE of 4 experts, AdamW, donated"),
     Spec("big-state", "held-out",
          {"q": "q", "k": "k", "v": "v", "out": "o", "ffn0": "wi0", "ffn1": "wi1"},
-         hidden=128, heads=4, kv_heads=4, head_dim=32, ffn=512, seq=32, vocab=2048,
-         dtype="bfloat16", layers=6,
-         note="scanned, bf16, MHA, large vocabulary and few tokens: no remat about 1.3x "
+         hidden=128, heads=4, kv_heads=4, head_dim=32, ffn=512, seq=64, vocab=2048,
+         dtype="bfloat16", layers=6, extra={"brute_tags": 4},
+         note="scanned, bf16, MHA, large vocabulary and few tokens: no remat about 1.5x "
               "full remat, AdamW, donated"),
     Spec("unrolled-gqa2", "held-out", MAXTEXT | {"v": None}, heads=4, kv_heads=2,
          scan=False, seq=96, extra={"brute_tags": 4},
