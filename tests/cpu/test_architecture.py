@@ -12,12 +12,26 @@ ORDER = ["device", "models", "graph", "_jax_compat", "moe", "memory_model", "_tr
 PACKAGE = pathlib.Path(neuron_remat.__file__).parent
 
 
+def _layer_files(name: str) -> list[pathlib.Path]:
+    """The files of layer `name`: its module, or every module of its package (a package's
+    submodules are the layer)."""
+    module, package = PACKAGE / f"{name}.py", PACKAGE / name
+    files = [module] if module.is_file() else sorted(package.rglob("*.py"))
+    assert files, f"layer {name} has no module {module.name} and no package {name}/"
+    return files
+
+
 def _imports(path: pathlib.Path) -> set[str]:
-    """neuron_remat modules `path` imports, at any depth (lazy imports count too)."""
+    """neuron_remat layers `path` imports, at any depth (lazy imports count too); an import
+    inside a layer's own package names that layer."""
+    here = path.relative_to(PACKAGE).parts[:-1]  # () for a top-level module
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level >= 1:
-            if node.module:
+            base = here[:len(here) - (node.level - 1)]
+            if base:
+                found.add(base[0])
+            elif node.module:
                 found.add(node.module.split(".")[0])
             else:
                 found.update(a.name for a in node.names)
@@ -29,10 +43,18 @@ def _imports(path: pathlib.Path) -> set[str]:
 def test_flow_is_one_way():
     for i, name in enumerate(ORDER):
         right = set(ORDER[i + 1:]) | ({"adapters"} if i < ORDER.index("plugin") else set())
-        bad = _imports(PACKAGE / f"{name}.py") & right
-        assert not bad, f"{name}.py imports {sorted(bad)}, to its right"
+        for path in _layer_files(name):
+            bad = _imports(path) & right
+            assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}, to its right"
     for adapter in (PACKAGE / "adapters").glob("*.py"):
         assert "cli" not in _imports(adapter), adapter.name
+
+
+def test_a_package_layer_is_checked_module_by_module():
+    files = _layer_files("device")
+    assert PACKAGE / "device" / "detection.py" in files and len(files) > 1
+    # `from .facts import` inside device/ is the layer itself; `from .._format` leaves it.
+    assert {"device", "_format"} <= _imports(PACKAGE / "device" / "spec.py")
 
 
 def test_import_touches_no_hardware():
