@@ -102,22 +102,27 @@ def _saved_set(policy, tags):
     saves, in the graph's order."""
     if policy is jax.checkpoint_policies.everything_saveable:
         return None
-    assert hasattr(policy, "saves"), f"fit compiled a policy the test cannot read: {policy!r}"
-    return tuple(t for t in tags if policy.saves(t))
+    if hasattr(policy, "saves"):
+        return tuple(t for t in tags if policy.saves(t))
+    names = getattr(policy, "saveable_names", None)  # JAX's save_only_these_names
+    assert names is not None, f"fit compiled a policy the test cannot read: {policy!r}"
+    return tuple(t for t in tags if t in names)
 
 
 class _ServedLowered:
     """A real lowering whose compile is the brute force's compile of the same save set."""
 
-    def __init__(self, lowered, compiled, log, key):
-        self._lowered, self._compiled, self._log, self._key = lowered, compiled, log, key
+    def __init__(self, lowered, policy, brute, tags, log):
+        self._lowered, self._policy, self._brute = lowered, policy, brute
+        self._tags, self._log = tags, log
 
     def __getattr__(self, name):
         return getattr(self._lowered, name)
 
     def compile(self):
-        self._log.append(self._key)
-        return self._compiled
+        key = _saved_set(self._policy, self._tags)
+        self._log.append(key)
+        return self._brute[key]
 
 
 def _served(make_step, brute, tags, log):
@@ -125,10 +130,9 @@ def _served(make_step, brute, tags, log):
     brute force's figures for the policy's save set (recorded in `log`)."""
 
     def make(policy):
-        key = _saved_set(policy, tags)
         step = make_step(policy)
         step = step if hasattr(step, "lower") else jax.jit(step)
-        return _Step(step, lambda *a: _ServedLowered(step.lower(*a), brute[key], log, key))
+        return _Step(step, lambda *a: _ServedLowered(step.lower(*a), policy, brute, tags, log))
 
     return make
 
