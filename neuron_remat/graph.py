@@ -603,7 +603,7 @@ def op_bytes_moved(op: Op, graph: LayerGraph) -> int:
 
 def op_seconds(op: Op, graph: LayerGraph, rates: object) -> float:
     """The op's roofline time on one core: ``max(work / engine rate, bytes moved / HBM
-    bandwidth)``, the engine by `op_kind` and the rates an `EngineRates` (`device.py`).
+    bandwidth)``, the engine by `op_kind` and the rates an `EngineRates` (`neuron_remat.device`).
 
     Work is `Op.flops`, except that a transcendental op counts at least one operation per
     output element (XLA's FLOP count, which `_trace` follows, gives them none). ``layout``

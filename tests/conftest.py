@@ -1,9 +1,24 @@
 """Shared test set-up: every test starts with no neuron_remat override in the environment
-and with empty caches."""
+and with empty caches.
+
+XLA:CPU compiles here with LLVM's optimisation off (``--xla_backend_optimization_level=0``,
+as benchmarks/fit_sweep.py does for its brute force), unless `XLA_FLAGS` already sets the
+level or the machine has Neuron devices. The tests compile hundreds of programs and read
+`memory_analysis()` and `cost_analysis()`, which XLA computes from the optimised HLO before
+LLVM runs: the level changes neither (the fit demo's figures are the same at both levels)
+and takes about 40% off each compile's CPU time. Subprocesses inherit it.
+"""
+
+import glob
+import os
 
 import pytest
 
-from neuron_remat import device, plugin
+_LEVEL = "--xla_backend_optimization_level"
+if _LEVEL not in os.environ.get("XLA_FLAGS", "") and not glob.glob("/dev/neuron[0-9]*"):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_LEVEL}=0".strip()
+
+from neuron_remat import device, plugin  # noqa: E402  (after XLA_FLAGS)
 
 _ENV = ("NEURON_REMAT_DEVICE", "NEURON_REMAT_DISABLE", "NEURON_REMAT_STRICT",
         "NEURON_LOGICAL_NC_CONFIG", "NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES")

@@ -100,6 +100,13 @@ def test_test_fixtures_stay_out_of_the_package():
     assert out == ["[]"]
 
 
+def test_a_package_layer_is_checked_module_by_module():
+    files = _layer_files("device")
+    assert PACKAGE / "device" / "detection.py" in files and len(files) > 1
+    # `from .facts import` inside device/ is the layer itself; `from .._format` leaves it.
+    assert {"device", "_format"} <= _imports(PACKAGE / "device" / "spec.py")
+
+
 def test_import_touches_no_hardware():
     code = ("import neuron_remat, neuron_remat.plugin, neuron_remat.adapters.flax, "
             "neuron_remat.adapters.equinox, neuron_remat.adapters.axlearn, "

@@ -7,6 +7,11 @@ eight layers and six tags, so every one of the 64 save sets is compiled once per
 from where nothing fits to where no remat does, each plan must fit its compiled bytes, be
 within 0.5 points of step FLOPs of the best compiled save set that fits, and `fit` must
 refuse only when nothing fits.
+
+In the sweep, `fit`'s compiles of a save set the brute force has already compiled are
+served from it (`_served`: the step is traced and lowered for real, only XLA's compile of
+the identical program is skipped); each plan's own policy is then compiled for real and
+must give the brute force's figures for its save set.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import math
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import jax
@@ -39,17 +45,34 @@ GAP_POINTS = 0.5
 MAX_GAP_POINTS = 2.0
 
 
+FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+          "alias_size_in_bytes")
+
+
 @dataclasses.dataclass(frozen=True)
 class Compiled:
-    bytes: int
+    """What XLA said about one compiled step: `memory_analysis()`'s fields, FLOPs."""
+
+    memory: tuple[int, int, int, int]  # FIELDS, in order
     flops: float
+
+    @property
+    def bytes(self) -> int:
+        arg, out, temp, alias = self.memory
+        return arg + out + temp - alias
+
+    # The compiled executable's interface, for `fit` when the brute force serves it.
+    def memory_analysis(self):
+        return types.SimpleNamespace(**dict(zip(FIELDS, self.memory)))
+
+    def cost_analysis(self):
+        return {"flops": self.flops}
 
 
 def _measure(step, args) -> Compiled:
     c = step.lower(*args).compile()
     m = c.memory_analysis()
-    return Compiled(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                    - m.alias_size_in_bytes, float(c.cost_analysis()["flops"]))
+    return Compiled(tuple(int(getattr(m, f)) for f in FIELDS), float(c.cost_analysis()["flops"]))
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +95,62 @@ def brute(step, graph):
         for subset in itertools.combinations(graph.tags, r):
             table[subset] = _measure(make_step(save_only_these_names(*subset)), args)
     return table
+
+
+def _saved_set(policy, tags):
+    """The brute-force key of a policy `fit` compiles: None for no remat, else the tags it
+    saves, in the graph's order."""
+    if policy is jax.checkpoint_policies.everything_saveable:
+        return None
+    if hasattr(policy, "saves"):
+        return tuple(t for t in tags if policy.saves(t))
+    names = getattr(policy, "saveable_names", None)  # JAX's save_only_these_names
+    assert names is not None, f"fit compiled a policy the test cannot read: {policy!r}"
+    return tuple(t for t in tags if t in names)
+
+
+class _ServedLowered:
+    """A real lowering whose compile is the brute force's compile of the same save set."""
+
+    def __init__(self, lowered, policy, brute, tags, log):
+        self._lowered, self._policy, self._brute = lowered, policy, brute
+        self._tags, self._log = tags, log
+
+    def __getattr__(self, name):
+        return getattr(self._lowered, name)
+
+    def compile(self):
+        key = _saved_set(self._policy, self._tags)
+        self._log.append(key)
+        return self._brute[key]
+
+
+def _served(make_step, brute, tags, log):
+    """`make_step` whose steps trace and lower for real and whose `compile()` returns the
+    brute force's figures for the policy's save set (recorded in `log`)."""
+
+    def make(policy):
+        step = make_step(policy)
+        step = step if hasattr(step, "lower") else jax.jit(step)
+        return _Step(step, lambda *a: _ServedLowered(step.lower(*a), policy, brute, tags, log))
+
+    return make
+
+
+class _Step:
+    """A jitted step (called and traced as itself) with a served `lower`."""
+
+    def __init__(self, step, lower):
+        self._step, self.lower = step, lower
+
+    def __call__(self, *args):
+        return self._step(*args)
+
+
+def _confirm(make_step, args, plan, brute, key):
+    """The plan's own policy, compiled for real, is the brute force's program for `key`."""
+    real = _measure(make_step(plan.policy), args)
+    assert real == brute[key], (key, real, brute[key])
 
 
 def _device(hbm: int) -> nr.DeviceSpec:
@@ -204,17 +283,21 @@ def _best(brute, limit):
 
 def test_sweep_against_brute_force(step, graph, brute):
     make_step, args = step
-    rows = []
+    rows, confirmed = [], set()
     for hbm in _sizes(brute):
         best = _best(brute, hbm)
+        log = []
+        served = _served(make_step, brute, graph.tags, log)
         if best is None:
             with pytest.raises(nr.NoFitError, match="no compiled save set fits"):
-                nr.fit(make_step, *args, device=_device(hbm), reserve=0)
+                nr.fit(served, *args, device=_device(hbm), reserve=0)
+            assert log  # it compiled before refusing
             rows.append((hbm, "NoFitError", None))
             continue
-        plan = nr.fit(make_step, *args, device=_device(hbm), reserve=0)
+        plan = nr.fit(served, *args, device=_device(hbm), reserve=0)
         rec = plan.compiled
         assert rec is not None and rec.measured
+        assert rec.compiles == len(log)  # every compile it counts went through make_step
         # The aim: 6 compiles for up to 8 tags; while nothing fits, one more per tag.
         assert rec.compiles <= (6 if brute[()].bytes <= hbm else 6 + len(graph.tags))
         key = None if rec.no_remat else tuple(sorted(plan.saved_tags,
@@ -225,8 +308,12 @@ def test_sweep_against_brute_force(step, graph, brute):
         else:
             assert tuple(t for t in graph.tags if plan.policy.saves(t)) == key
         truth = brute[key]
-        assert rec.bytes == truth.bytes <= hbm  # confirmed by its own compile
+        assert key in log  # the plan's set was compiled
+        assert rec.bytes == truth.bytes <= hbm
         assert rec.flops == truth.flops
+        if key not in confirmed:  # the policy the plan carries compiles to that program
+            _confirm(make_step, args, plan, brute, key)
+            confirmed.add(key)
         # XLA counts a scan body once: a FLOP difference is one layer's.
         gap = graph.count * (truth.flops - best[0]) / graph.no_remat_flops
         assert gap <= MAX_GAP_POINTS / 100, (hbm, plan.saved_tags, best, gap)
@@ -243,8 +330,11 @@ def test_sweep_against_brute_force(step, graph, brute):
 
 def test_no_remat_fits_when_the_device_is_large(step, graph, brute):
     make_step, args = step
-    plan = nr.fit(make_step, *args, device=_device(brute[None].bytes * 2), reserve=0.1)
+    log = []
+    plan = nr.fit(_served(make_step, brute, graph.tags, log), *args,
+                  device=_device(brute[None].bytes * 2), reserve=0.1)
     assert plan.compiled.no_remat and plan.compiled.bytes == brute[None].bytes
+    assert None in log and plan.compiled.compiles == len(log)
     assert plan.policy is jax.checkpoint_policies.everything_saveable
     assert plan.compiled.flops == brute[None].flops
     assert plan.compiled.compiles <= 4  # full remat, every tag, no remat

@@ -68,19 +68,41 @@ def tag_sets(names):
     return [s for r in range(len(tags) + 1) for s in itertools.combinations(tags, r)]
 
 
+def covering_sample(tags, extra=48, seed=0):
+    """Subsets of `tags` that cover every tag and every pair of tags in each of the four
+    ways (both saved, one without the other, neither): none, all, each tag alone, all but
+    each tag, and `extra` more drawn at random (seeded). The coverage is asserted, not
+    assumed."""
+    import random
+
+    tags = tuple(tags)
+    out = {(), tags}
+    out |= {(t,) for t in tags} | {tuple(u for u in tags if u != t) for t in tags}
+    rng = random.Random(seed)
+    while len(out) < 2 * len(tags) + 2 + extra and len(out) < 2 ** len(tags):
+        out.add(tuple(t for t in tags if rng.random() < 0.5))
+    for a, b in itertools.combinations(tags, 2):
+        ways = {(a in s, b in s) for s in out}
+        assert ways == {(True, True), (True, False), (False, True), (False, False)}, (a, b)
+    return sorted(out, key=lambda s: (len(s), s))
+
+
 def roles_saved(names, saved):
     return {role for role, ns in names.items() if set(ns) & set(saved)}
 
 
-@pytest.mark.slow  # every subset of up to 10 tags traced, 4 layers: minutes on 2 cores
+@pytest.mark.slow  # ~70 tag subsets traced per case (was every one of up to 1,024)
 @pytest.mark.parametrize("case", list(CASES))
-def test_kept_bytes_equal_jax_for_every_tag_subset(case):
+def test_kept_bytes_equal_jax_for_a_covering_sample_of_tag_subsets(case):
+    # A covering sample of the subsets (every tag and every pair of tags saved together,
+    # apart and neither; seeded), where every subset (512 to 1,024 per case) took minutes.
     cfg, kind = CASES[case]
     x, p = inputs(cfg, kind)
     names = rm.tag_names(cfg, kind)
     graph = moe.layer_graph(cfg, SHAPE, kind=kind)
-    subsets = tag_sets(names)
-    assert len(subsets) >= 2 ** 9 or case == "mla-dense-maxtext"
+    every = tag_sets(names)
+    assert len(every) >= 2 ** 9 or case == "mla-dense-maxtext"
+    subsets = covering_sample(max(every, key=len))
     fn = lambda x, p: rm.layer(x, p, cfg, kind)  # noqa: E731
     for saved in subsets:
         policy = checkpoint_policies.save_only_these_names(*saved)
