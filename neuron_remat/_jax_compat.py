@@ -1,7 +1,8 @@
 """Every JAX name outside JAX's public API that neuron_remat relies on, in one place.
 
-Tested with JAX 0.7.2, 0.8.3, 0.10.2 and 0.12.0.1 (CI runs ``tests/cpu/test_trace*.py`` on each, and
-under ``JAX_REMAT3=true``). Each name below says why no public one serves, and what happens
+Tested with JAX 0.7.2, 0.8.3, 0.10.2 and 0.12.0.1 (CI runs the trace, policy and plugin tests
+on each, and under ``JAX_REMAT3=true``), and 0.11.1 (MaxText's real step,
+``tests/cpu/test_maxtext_real.py``). Each name below says why no public one serves, and what happens
 on a JAX without it. Public names are used wherever JAX has one:
 ``jax.checkpoint_policies.save_only_these_names`` (not ``jax._src.ad_checkpoint``),
 ``jax.extend.core`` for jaxpr types, ``jax.dtypes`` for dtype tests.
