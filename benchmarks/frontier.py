@@ -74,7 +74,8 @@ from jax._src.ad_checkpoint import saved_residuals  # noqa: E402
 import _common as C  # noqa: E402
 import neuron_remat as nr  # noqa: E402
 import reference as ref  # noqa: E402
-from neuron_remat.memory_model import LayerGraph, Value, layer_graph  # noqa: E402
+from neuron_remat.graph import LayerGraph, Value  # noqa: E402
+from neuron_remat.memory_model import layer_graph  # noqa: E402
 
 NAME = "frontier"
 NO_REMAT = "none"  # `reference.stack`'s marker for "no jax.checkpoint at all"

@@ -47,6 +47,20 @@ def test_every_part_wrote_its_json(out):
 
 
 @pytest.mark.slow
+def test_fit_sweep_small_meets_done_when(out):
+    """benchmarks/fit_sweep.py --small (run by run_all): two zoo steps (one train, one
+    held-out), 3 tags, 11 sizes, both modes, against the compiled brute force (the
+    expected values: XLA's figures for every save set, not fit's model)."""
+    result = load(out, "fit_sweep")
+    assert set(result["steps"]) == {"gqa4-adamw", "wide-attn-mqa-adafactor"}
+    for key, d in result["done_when"].items():
+        assert d["passed"], (key, d)
+    for st in result["steps"].values():
+        for m in st["modes"].values():
+            assert m["summary"]["sizes"] == 11 and m["summary"]["reported"] == 0
+
+
+@pytest.mark.slow
 def test_frontier_planner_is_optimal_and_beats_hand_written(out):
     fr = load(out, "frontier")
     assert fr["dtype"] == "float32" and fr["backend"] == "cpu"

@@ -202,7 +202,11 @@ def test_sharded_per_device_figures_match_per_core_model():
     sets["none"] = "none"
     run = subprocess.run([sys.executable, "-c", SHARDED, json.dumps(
         {k: v for k, v in sets.items() if v != "none"})], capture_output=True, text=True,
-        check=True, env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+        check=True, env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+                         # the reference layer is a fixture beside this file
+                         "PYTHONPATH": os.pathsep.join(
+                             [os.path.dirname(os.path.abspath(__file__)),
+                              os.environ.get("PYTHONPATH", "")])})
     measured = json.loads(run.stdout.strip().splitlines()[-1])
     cfg = models.TransformerConfig(hidden=128, heads=8, kv_heads=4, ffn=256, layers=4, vocab=512)
     graph = mm.layer_graph(cfg, models.StepShape(seq_len=64, micro_batch=2,

@@ -63,7 +63,11 @@ def test_fit_per_layer_between_every_tag_and_no_remat_on_a_zoo_step():
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import zoo
 
-    spec = dataclasses.replace(zoo.ZOO["gqa4-adamw"], seq=32, hidden=64, ffn=128)
+    # gqa4-adamw without its attention-scores tag: saving the scores keeps about what no
+    # remat keeps, which leaves no room for a mix between "every tag" and no remat.
+    base = zoo.ZOO["gqa4-adamw"]
+    spec = dataclasses.replace(base, seq=32, hidden=64, ffn=128,
+                               tags={r: t for r, t in base.tags.items() if r != "scores"})
     make, flat, args = spec.make_step(), spec.make_step(unroll=True), spec.abstract_args()
     none = jax.checkpoint_policies.everything_saveable
     every = nr.RegexPolicy([re.escape(t) for t in spec.tags.values() if t])
