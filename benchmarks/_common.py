@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -74,6 +75,18 @@ def parser(description: str, name: str) -> argparse.ArgumentParser:
                    help=f"where to write the JSON (default OUT/{name}.json)")
     p.add_argument("--quiet", action="store_true", help="print nothing")
     return p
+
+
+def prepare_compiles() -> None:
+    """Before JAX starts: XLA:CPU's LLVM optimisation off unless XLA_FLAGS sets it (memory and
+    cost analysis are the same either way, compiles cheaper), and this checkout's
+    neuron_remat first on sys.path."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" not in flags and "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_backend_optimization_level=0 "
+                                   "--xla_llvm_disable_expensive_passes=true").strip()
+    if str(REPO) not in sys.path[:1]:
+        sys.path.insert(0, str(REPO))  # this checkout's neuron_remat
 
 
 def json_path(args: argparse.Namespace, name: str) -> Path:

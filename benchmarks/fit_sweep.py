@@ -33,7 +33,6 @@ import importlib
 import itertools
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -327,12 +326,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         "zoo's Spec protocol, e.g. tests.cpu.maxtext_zoo); repeatable")
     args = p.parse_args(argv)
     say = C.Printer(args.quiet)
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_backend_optimization_level" not in flags and "jax" not in sys.modules:
-        os.environ["XLA_FLAGS"] = (flags + " --xla_backend_optimization_level=0 "
-                                   "--xla_llvm_disable_expensive_passes=true").strip()
-    if str(C.REPO) not in sys.path[:1]:
-        sys.path.insert(0, str(C.REPO))  # this checkout's neuron_remat
+    C.prepare_compiles()
     import neuron_remat as nr  # noqa: PLC0415, F401
 
     F = importlib.import_module("neuron_remat._fit")

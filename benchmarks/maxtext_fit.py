@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -60,12 +59,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    help=f"tags in the brute force (default {MAX_TAGS}; --small: 3)")
     args = p.parse_args(argv)
     say = C.Printer(args.quiet)
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_backend_optimization_level" not in flags and "jax" not in sys.modules:
-        os.environ["XLA_FLAGS"] = (flags + " --xla_backend_optimization_level=0 "
-                                   "--xla_llvm_disable_expensive_passes=true").strip()
-    if str(C.REPO) not in sys.path[:1]:
-        sys.path.insert(0, str(C.REPO))  # this checkout's neuron_remat
+    C.prepare_compiles()
     sys.path.insert(0, str(C.REPO / "tests" / "cpu"))
     import maxtext_zoo as mz  # noqa: PLC0415
 
