@@ -69,31 +69,12 @@ def footprint(layer):
 def _emitted_by_jax(fn, args):
     """Every ``checkpoint_name`` in JAX's VJP jaxpr of `fn`, at any depth."""
     import jax
-    from jax.extend import core as jcore
-
-    from neuron_remat import _jax_compat
+    from jaxpr_names import names_in
 
     x, params, segments, positions = args
     closed = jax.make_jaxpr(lambda a, p: jax.vjp(lambda a, p: fn(a, p, segments, positions),
                                                  a, p))(x, params)
-    found = set()
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if _jax_compat.is_name_primitive(eqn.primitive):
-                found.add(eqn.params["name"])
-            prim = eqn.params.get("_prim")
-            if prim is not None and type(prim).__name__ == "CheckpointName":
-                found.add(prim.name)
-            for v in eqn.params.values():
-                for item in v if isinstance(v, (tuple, list)) else (v,):
-                    if isinstance(item, jcore.ClosedJaxpr):
-                        walk(item.jaxpr)
-                    elif isinstance(item, jcore.Jaxpr):
-                        walk(item)
-
-    walk(closed.jaxpr)
-    return found
+    return names_in(closed)
 
 
 def _jax_residuals(fn, args, saved):

@@ -41,6 +41,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
 import flash_reference as fr
+from jaxpr_names import names_in
 import neuron_remat as nr
 from neuron_remat import _jax_compat, planner, policies
 
@@ -64,25 +65,7 @@ T = fr.TAGS
 
 def _emitted_by_jax(fn, args):
     """Every ``checkpoint_name`` in JAX's VJP jaxpr of `fn`, at any depth."""
-    closed = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a))(*args)
-    found = set()
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if _jax_compat.is_name_primitive(eqn.primitive):
-                found.add(eqn.params["name"])
-            prim = eqn.params.get("_prim")
-            if prim is not None and type(prim).__name__ == "CheckpointName":
-                found.add(prim.name)
-            for v in eqn.params.values():
-                for item in v if isinstance(v, (tuple, list)) else (v,):
-                    if isinstance(item, jcore.ClosedJaxpr):
-                        walk(item.jaxpr)
-                    elif isinstance(item, jcore.Jaxpr):
-                        walk(item)
-
-    walk(closed.jaxpr)
-    return found
+    return names_in(jax.make_jaxpr(lambda *a: jax.vjp(fn, *a))(*args))
 
 
 def _itemsize(dtype):
