@@ -25,7 +25,9 @@ fi
 DIR=.ci-venv-jax-py312
 "$PY" -m venv "$DIR"
 "$DIR/bin/python" -m pip install --quiet --upgrade pip
-"$DIR/bin/python" -m pip install --quiet ".[test]"
+# The wheel .ci/run built (NR_CI_WHEEL), so that no second build runs in this source tree
+# beside another; the tree itself when run alone.
+"$DIR/bin/python" -m pip install --quiet "${NR_CI_WHEEL:-.}[test]"
 "$DIR/bin/python" -c "import sys, jax; print('py312: Python', sys.version.split()[0], 'JAX', jax.__version__)"
 TESTS=(tests/cpu/test_policies.py tests/cpu/test_trace.py tests/cpu/test_plugin.py
        tests/cpu/test_jax_versions.py tests/cpu/test_regex_safety.py)
