@@ -396,7 +396,7 @@ def _done_when(result: dict[str, Any]) -> dict[str, Any]:
     """The issue's "done when", per mode and split: every plan fits; the gap is at most
     0.5 points at >= 95% of each step's sizes and never over 2; no refusal while some set fits; at
     most 6 compiles (oracle: log2(frontier) + 3) at >= 90% of sizes; each plan states
-    its own compile's figures."""
+    its own compile's figures. A split with no step swept fails (nothing was shown)."""
     out: dict[str, Any] = {}
     for mode in ("memory_analysis", "oracle"):
         for split in ("train", "held-out"):
@@ -407,6 +407,7 @@ def _done_when(result: dict[str, Any]) -> dict[str, Any]:
             gaps = [r["gap"] for r in rows if r.get("gap") is not None]
             share = sum(g <= 0.005 + 1e-12 for g in gaps) / len(gaps) if gaps else 1.0
             checks = {
+                "some step was swept": bool(sums),
                 "every plan fits": all(s["all_fit"] for s in sums),
                 "gap <= 0.5 pt at >= 95% of sizes, on every step": all(
                     (s["share_gap_le_0_5"] is None or s["share_gap_le_0_5"] >= 0.95)

@@ -861,19 +861,51 @@ class _Search:
         return True
 
     def _rescue(self) -> _Candidate | None:
-        """Full remat does not fit: before refusing, compile the sets predicted smallest
-        (XLA's workspace can drop by more than a tag keeps), one per tag at most."""
+        """Full remat does not fit: before refusing, look for a set that compiles smaller.
+        XLA's workspace can drop by more than a tag keeps, and the drop comes with
+        particular tags (saving one that cuts a layer's recompute in two), not with the
+        smallest. First every tag (the model's second point; on a step whose memory
+        does not follow the kept bytes, as likely to fit as any set, and the search
+        stops there when it shows that); then each tag alone, most likely to fit first,
+        until each has been compiled alone; then any set, most likely first."""
         if self.points():  # memory figures, or the out-of-memory error's
             self.model = _Model.calibrate(self.points())
         else:
             self.model = _Model(float(self.compiled[()].fixed or 0), 1.0, 1.0)
         total = self.max_compiles + self.stretch
+        full = self._by[()]
+        every = next((c for c in self.candidates if c.saved is not None), None)
+        if every is not None and every.saved and self.used < total:
+            got = self._measure(every)
+            if got.bytes is None and not got.oom:  # no figures: the compile is the oracle
+                self.oracle = True
+                return self.best()
+            if not got.over(self.limit):
+                self.max_compiles = total
+                return self._walk()
+            grew = self._figure(got)
+            extra = every.kept - full.kept
+            first = self._figure(self.compiled[()])
+            if grew is not None and first is not None and extra > 0 \
+                    and grew - first < FOLLOW * extra:
+                self.noticed = (
+                    f"the compiled step's memory does not follow the kept residuals: saving "
+                    f"every tag keeps {fmt_bytes(extra)} more than full remat but compiles "
+                    f"{fmt_bytes(grew - first)} larger (the compiler schedules the layers "
+                    "its own way, as XLA:CPU does an unrolled Python loop); the search was "
+                    "not run on")
+                self.stop = "memory does not follow the kept bytes"
+                self.log(f"fit: {self.noticed}")
+                return self.best()
         while self.used < total:
             left = [c for c in self.candidates if c.saved not in self.compiled
                     and c.saved is not None]  # no remat keeps the most: never smaller
             if not left:
                 break
-            c = min(left, key=lambda c: (self.predict(c), c.recompute))
+            alone = {s[0] for s in self.compiled if s and len(s) == 1}
+            singles = [c for c in left if c.saved and len(c.saved) == 1
+                       and c.saved[0] not in alone]
+            c = max(singles or left, key=lambda c: (self.chance(c), -c.recompute))
             got = self._measure(c)
             if got.over(self.limit):
                 continue
@@ -885,7 +917,7 @@ class _Search:
             return self._walk()
         best = self.best()
         self.stop = ("full remat does not fit; a set predicted smaller does" if best
-                     else "full remat does not fit, nor the sets predicted smallest")
+                     else "full remat does not fit, nor the sets most likely to fit")
         return best
 
 
