@@ -11,13 +11,14 @@ of equal policies. Each answer is measured here, independently of `fit`:
 
 * fits: the mixed step (`Plan.layer_policies`) compiled again, ``memory_analysis()``
   bytes against the limit;
-* measured margin: the compiled FLOPs (``cost_analysis()``) of the best uniform set (the
+* measured margin: XLA's FLOPs (``cost_analysis()``) of the best uniform set's step (the
   plan's `saved_tags`; no remat does not fit, and no tag set recomputes less than every
-  tag) minus those of the mixed step, over the no-remat step's, in points; the scans are
-  unrolled for these (XLA:CPU counts a rolled scan's body once);
+  tag) minus the mixed step's, over the no-remat step's, in points, each step counted as
+  it runs (`zoo.as_run_flops`: XLA:CPU counts a rolled scan's body once, so each
+  policy's layer is measured as its uniform step with ``unroll=2`` less rolled);
 * predicted margin: the FLOPs the plan says the mix saves (its uniform set's recompute
   less the mix's, all layers; `fit_per_layer` counts them from its rolled compiles) over
-  the same no-remat step's compiled FLOPs.
+  the same no-remat step's FLOPs.
 
     nice -n 10 python benchmarks/per_layer_fit.py [--steps a,b] [--json out/per_layer_fit.json]
 
@@ -62,6 +63,13 @@ def _policy(saved: list[str] | None) -> Any:
     return NONE if saved is None else nr.RegexPolicy(list(saved))
 
 
+def _key(policy: Any) -> str:
+    """A cache key: "none", the saved tags comma-joined, or per layer joined by "|"."""
+    if isinstance(policy, (tuple, list)):
+        return "|".join(_key(p) for p in policy)
+    return "none" if policy is NONE else ",".join(policy.save)
+
+
 def _describe(policy: Any) -> list[str] | None:
     return list(policy.save) if isinstance(policy, nr.RegexPolicy) else None
 
@@ -99,12 +107,18 @@ def _memo(make_step: Any) -> Any:
 
 def run_step(name: str, cache: Cache, say: Any) -> list[dict[str, Any]]:
     spec = zoo.ZOO[name]
-    make, flat = _memo(spec.make_step()), _memo(spec.make_step(unroll=True))
+    make, twice = _memo(spec.make_step()), _memo(spec.make_step(unroll=2))
     args = spec.abstract_args()
     every = [re.escape(t) for t in spec.tags.values() if t]
     e = cache.get(f"{name}/every", lambda: _compile(make(_policy(every)), args))
     n = cache.get(f"{name}/none", lambda: _compile(make(NONE), args))
-    base = cache.get(f"{name}/none/unrolled", lambda: _compile(flat(NONE), args))["flops"]
+
+    def flops(policy: Any, unroll: int) -> float:
+        key = f"{name}/flops/{_key(policy)}/unroll{unroll}"
+        step = (make if unroll == 1 else twice)(policy)
+        return cache.get(key, lambda: _compile(step, args))["flops"]
+
+    base = zoo.as_run_flops(spec, NONE, flops)
     say(f"{name}: {spec.layers} layers; every tag {e['bytes'] / 2**20:.2f} MiB, "
         f"no remat {n['bytes'] / 2**20:.2f} MiB")
     rows = []
@@ -128,16 +142,12 @@ def run_step(name: str, cache: Cache, say: Any) -> list[dict[str, Any]]:
         row = {"step": name, "limit": limit, "uniform": f["uniform"], "mix": f["mix"],
                "predicted_margin": 100 * f["predicted_saved_flops"] / base,
                "compiles": f["compiles"]}
-        uni = cache.get(f"{name}/uniform/{','.join(f['uniform_policy'])}/unrolled",
-                        lambda f=f: _compile(flat(_policy(f["uniform_policy"])), args))
+        uni = zoo.as_run_flops(spec, _policy(f["uniform_policy"]), flops)
         if f["layers"]:
             per = tuple(_policy(p) for p in f["layers"])
-            key = f"{name}/mix/" + "|".join("none" if p is None else ",".join(p)
-                                            for p in f["layers"])
-            mix = cache.get(key, lambda per=per: _compile(make(per), args))
-            mixf = cache.get(key + "/unrolled", lambda per=per: _compile(flat(per), args))
+            mix = cache.get(f"{name}/mix/{_key(per)}", lambda per=per: _compile(make(per), args))
             row.update(mixed_bytes=mix["bytes"], fits=mix["bytes"] <= limit,
-                       measured_margin=100 * (uni["flops"] - mixf["flops"]) / base)
+                       measured_margin=100 * (uni - zoo.as_run_flops(spec, per, flops)) / base)
         else:
             row.update(mixed_bytes=None, fits=None, measured_margin=0.0,
                        note=f["notes"][-1] if f["notes"] else "")

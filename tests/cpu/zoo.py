@@ -270,6 +270,36 @@ IGNORES_POLICY = dataclasses.replace(ZOO["gqa4-adamw"], name="ignores-policy", s
 
 
 # --------------------------------------------------------------------------------------
+# FLOPs of a scanned step as it runs.
+# --------------------------------------------------------------------------------------
+
+
+def as_run_flops(spec: Spec, policy: Any, flops: Callable[[Any, int], float]) -> float:
+    """XLA's FLOPs of ``spec.make_step()(policy)`` as it runs: every layer counted.
+
+    XLA:CPU's ``cost_analysis()`` counts a rolled loop's body once. A scanned step with
+    ``unroll=2`` holds two layers in that body, so the uniform step's count with
+    ``unroll=2`` less its count rolled is one layer of that policy, in the program that
+    runs (unrolling the whole stack is another program: there XLA simplifies across
+    layers; moe-fused-qkv's "every tag" costs 8.7 MFLOP per layer more than no remat
+    unrolled, 11.5 rolled). `policy` is one policy, or one per layer (`scan_layers` runs
+    each run of equal policies as its own scan, each body counted once): the rolled
+    step's count plus, per run, its length less one times its policy's layer.
+    ``flops(policy, unroll)`` compiles ``spec.make_step(unroll=unroll)(policy)`` and
+    returns XLA's count (a caller may cache it). The stack's length must be even."""
+    from neuron_remat.stack import policy_runs
+
+    if not spec.scan or spec.layers % 2:
+        raise ValueError(f"{spec.name}: as_run_flops needs a scanned stack of even length")
+    per = list(policy) if isinstance(policy, (tuple, list)) else [policy] * spec.layers
+    total = flops(policy, 1)
+    for start, stop, p in policy_runs(per):
+        if stop - start > 1:
+            total += (stop - start - 1) * (flops(p, 2) - flops(p, 1))
+    return total
+
+
+# --------------------------------------------------------------------------------------
 # A SIMULATED backend without memory_analysis(): the compile is the oracle.
 # --------------------------------------------------------------------------------------
 
