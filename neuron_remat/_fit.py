@@ -883,15 +883,14 @@ class _Search:
             if not got.over(self.limit):
                 self.max_compiles = total
                 return self._walk()
-            grew = self._figure(got)
+            figure, first = self._figure(got), self._figure(self.compiled[()])
             extra = every.kept - full.kept
-            first = self._figure(self.compiled[()])
-            if grew is not None and first is not None and extra > 0 \
-                    and grew - first < FOLLOW * extra:
+            if figure is not None and first is not None and extra > 0 \
+                    and figure - first < FOLLOW * extra:
                 self.noticed = (
                     f"the compiled step's memory does not follow the kept residuals: saving "
                     f"every tag keeps {fmt_bytes(extra)} more than full remat but compiles "
-                    f"{fmt_bytes(grew - first)} larger (the compiler schedules the layers "
+                    f"{fmt_bytes(figure - first)} larger (the compiler schedules the layers "
                     "its own way, as XLA:CPU does an unrolled Python loop); the search was "
                     "not run on")
                 self.stop = "memory does not follow the kept bytes"
@@ -1073,7 +1072,8 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
     progress(f"fit: stopped after {search.used} compiles: {search.stop}")
     logger.info("neuron_remat.fit: stopped after %d compiles: %s", search.used, search.stop)
     if best is None:
-        raise NoFitError(_no_fit(probes, limit, hbm, held, search.oracle))
+        raise NoFitError(_no_fit(probes, limit, hbm, held, search.oracle)
+                         + (f" Also: {search.noticed}." if search.noticed else ""))
     r = results[best.saved]
     notes = [f"search: {search.stop}"]
     if search.noticed:

@@ -190,6 +190,23 @@ def test_a_tag_that_compiles_under_full_remat_is_found_when_full_remat_does_not_
         assert len(calls) <= 6 + 6  # the budget and one compile per tag
 
 
+def test_flat_memory_below_full_remat_is_noticed_not_searched():
+    """An unrolled stack on XLA:CPU, as a table: every set compiles within 64 KiB of full
+    remat whatever it keeps. With full remat over the limit, the rescue compiles every tag
+    saved, sees that its many more kept bytes moved the figure by nearly nothing, and
+    stops there (two compiles, not one per tag), saying so; when "every tag" is the one
+    set under the limit (unrolled-gqa2's smallest size), that is the plan."""
+    cands, table = _synthetic(5, seed=2, noise=0.0)
+    flat = {s: table[()] + 1024 * (13 * len(s) % 64 if s is not None else 63) for s in table}
+    every = next(c for c in cands if c.saved is not None)
+    got, s, calls = _run(cands, flat, table[()] - MiB)
+    assert got is None and calls == [(), every.saved]
+    assert s.stop == "memory does not follow the kept bytes" and "does not follow" in s.noticed
+    flat[every.saved] = table[()] - 2 * MiB
+    got, s, calls = _run(cands, flat, table[()] - MiB)
+    assert got is not None and got.recompute <= every.recompute and flat[got.saved] <= table[()] - MiB
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_noisy_tables_always_fit_and_never_refuse_while_full_remat_fits(seed):
     cands, table = _synthetic(5, seed=seed, noise=1.5)
