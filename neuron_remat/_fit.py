@@ -36,9 +36,10 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    (`max_compiles`, 6 up to 8 tags, said up front) is spent, and logs why; the plan is
    the least-recompute set whose compile fit, never one that did not. No remat is a
    candidate like the others (its policy: ``everything_saveable``), compiled once the
-   least-recompute save set fits. When full remat does not fit, the sets predicted
-   smallest are compiled (one per tag more) before `NoFitError`, and the walk goes on
-   from the first that fits with what is left of that budget.
+   least-recompute save set fits. When full remat does not fit, every tag saved, then
+   each tag alone, then any set, most likely to fit first, are compiled (one per tag
+   more) before `NoFitError`, and the walk goes on from the first that fits with what is
+   left of that budget.
 
 A backend without ``memory_analysis()`` (it raises, returns None, or reports nothing; the
 Neuron PJRT plugin may not implement it) makes the compile the oracle: an error carrying
@@ -482,7 +483,6 @@ UNTAGGED = 0.25
 FOLLOW = 0.35
 """Memory follows the kept bytes when no remat compiles at least this share of its extra
 kept bytes above full remat (an unrolled Python loop on XLA:CPU: about 0.13)."""
-ORACLE_GUIDED = 1
 FLAT_SPAN = 0.1
 """With the compile as the oracle, two out-of-memory figures test `FOLLOW` only when their
 sets' kept bytes differ by at least this share of the limit."""
@@ -715,17 +715,22 @@ class _Search:
             return True
         extra = nr.kept - full.kept
         if extra > 0 and got.bytes - self.compiled[()].bytes < FOLLOW * extra:
-            self.noticed = (
-                f"the compiled step's memory does not follow the kept residuals: no remat "
-                f"keeps {fmt_bytes(extra)} more than full remat but compiles "
+            self._not_following(
+                f"no remat keeps {fmt_bytes(extra)} more than full remat but compiles "
                 f"{fmt_bytes(got.bytes - self.compiled[()].bytes)} larger, and saving every "
-                f"tag {fmt_bytes(grew)} (the compiler schedules the layers its own way, as "
-                "XLA:CPU does an unrolled Python loop); the search was not run: the plan is "
-                "the least-recompute of the compiled sets that fit")
-            self.stop = "memory does not follow the kept bytes"
-            self.log(f"fit: {self.noticed}")
+                f"tag {fmt_bytes(grew)}")
             return False
         return True
+
+    def _not_following(self, evidence: str) -> None:
+        """Stop: the compiled memory does not follow the kept bytes (`evidence` says how)."""
+        self.noticed = (
+            f"the compiled step's memory does not follow the kept residuals: {evidence} (the "
+            "compiler schedules the layers its own way, as XLA:CPU does an unrolled Python "
+            "loop); the search was not run on: the plan is the least-recompute of the "
+            "compiled sets that fit")
+        self.stop = "memory does not follow the kept bytes"
+        self.log(f"fit: {self.noticed}")
 
     def _walk(self) -> _Candidate | None:
         walk_overs = 0
@@ -834,7 +839,7 @@ class _Search:
         set between them predicted within the limit (the interval's midpoint when none
         is, or no figure came); otherwise the midpoint."""
         mid = (lo + hi) // 2
-        if self.model is None or ORACLE_GUIDED == 0:
+        if self.model is None:
             return mid
         inside = [i for i in range(hi + 1, lo) if self.predict(front[i]) <= self.limit]
         return inside[0] if inside else mid
@@ -850,14 +855,9 @@ class _Search:
         span = a.kept - b.kept
         if span < FLAT_SPAN * self.limit or ra - rb >= FOLLOW * span:
             return False
-        self.noticed = (
-            f"the compiled step's memory does not follow the kept residuals: {_what(a.saved)} "
-            f"keeps {fmt_bytes(span)} more than {_what(b.saved)}, but the compiler's "
-            f"out-of-memory figures differ by {fmt_bytes(ra - rb)} (the compiler schedules "
-            "the layers its own way, as XLA:CPU does an unrolled Python loop); the search was "
-            "not run on: the plan is the least-recompute of the compiled sets that fit")
-        self.stop = "memory does not follow the kept bytes"
-        self.log(f"fit: {self.noticed}")
+        self._not_following(f"{_what(a.saved)} keeps {fmt_bytes(span)} more than "
+                            f"{_what(b.saved)}, but the compiler's out-of-memory figures "
+                            f"differ by {fmt_bytes(ra - rb)}")
         return True
 
     def _rescue(self) -> _Candidate | None:
@@ -887,14 +887,9 @@ class _Search:
             extra = every.kept - full.kept
             if figure is not None and first is not None and extra > 0 \
                     and figure - first < FOLLOW * extra:
-                self.noticed = (
-                    f"the compiled step's memory does not follow the kept residuals: saving "
-                    f"every tag keeps {fmt_bytes(extra)} more than full remat but compiles "
-                    f"{fmt_bytes(figure - first)} larger (the compiler schedules the layers "
-                    "its own way, as XLA:CPU does an unrolled Python loop); the search was "
-                    "not run on")
-                self.stop = "memory does not follow the kept bytes"
-                self.log(f"fit: {self.noticed}")
+                self._not_following(f"saving every tag keeps {fmt_bytes(extra)} more than "
+                                    f"full remat but compiles {fmt_bytes(figure - first)} "
+                                    "larger")
                 return self.best()
         while self.used < total:
             left = [c for c in self.candidates if c.saved not in self.compiled
