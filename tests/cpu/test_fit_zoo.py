@@ -215,8 +215,31 @@ def test_noisy_tables_always_fit_and_never_refuse_while_full_remat_fits(seed):
         limit = int(table[()] + rng.uniform(0, 1.1) * (table[None] - table[()]))
         got, s, calls = _run(cands, table, limit)
         assert got is not None and table[got.saved] <= limit
-        assert len(calls) <= 6
+        # 6, or the rescue's 6 + 6 where full remat fits with less than TIGHT x the
+        # starting uncertainty (a share `band` of full remat's bytes) to spare
+        tight = limit - table[()] < F.TIGHT * F.DEFAULT_BAND * table[()]
+        assert len(calls) <= (12 if tight else 6)
         assert got.saved in calls  # returned only what was compiled
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_tag_that_compiles_under_full_remat_is_found_when_full_remat_fits_tightly(seed):
+    """gqa4-adamw on XLA:CPU at 16.06 MiB: full remat compiles to 15.90 MiB, saving
+    out_proj alone to 15.29 and context alone to 15.39, while the model puts both above
+    full remat. With so little room the model cannot rank the sets: the search must look
+    for such a tag as when full remat does not fit. Each tag in turn is given that
+    effect here; full remat fits with a quarter of the starting uncertainty to spare."""
+    cands, table = _synthetic(6, seed=seed, noise=0.0)
+    by = {c.saved: c for c in cands}
+    limit = table[()] + int(0.25 * F.DEFAULT_BAND * table[()])
+    for cut in range(6):
+        name = f"t{cut}"
+        alone = table[(name,)] - table[()]
+        t = {s: b - (alone + 2 * MiB if s and name in s else 0) for s, b in table.items()}
+        got, s, calls = _run(cands, t, limit)
+        assert got is not None and t[got.saved] <= limit and got.saved in calls
+        assert got.recompute <= by[(name,)].recompute, (cut, calls, s.stop)
+        assert len(calls) <= 6 + 6
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -317,3 +340,4 @@ def test_zoo_is_varied():
     assert len({s.heads // s.kv_heads for s in specs}) >= 3
     assert {s.split for s in specs} == {"train", "held-out"}
     np.testing.assert_equal(len({s.name for s in specs}), len(specs))
+
