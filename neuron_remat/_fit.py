@@ -51,8 +51,9 @@ succeeds means it fits. `fit` then compiles the top of the frontier predicted fr
 graphs (arguments + outputs - donated state + kept + recomputed reads; when it fits,
 nothing is better) and bisects the rest: at most 2 + ceil(log2(frontier - 1)) compiles
 (`_oracle_cap`), within log2(frontier) + 3. The figures of out-of-memory errors (above the
-limit) calibrate the model as memory figures do, and two of them that differ by less than
-`FOLLOW` of their sets' kept bytes say memory does not follow the kept bytes.
+limit) calibrate the model as memory figures do (compiles left once the bisection converges
+go to the walk on that model), and two of them that differ by less than `FOLLOW` of their
+sets' kept bytes say memory does not follow the kept bytes.
 
 Two steps are reported rather than planned: one whose policy changes nothing (full remat
 and every tag saved compile to the same program: `PolicyIgnoredError`), and one whose
@@ -824,7 +825,9 @@ class _Search:
         when that fits, nothing is better). An out-of-memory error's byte figure is kept:
         two sets over the limit whose figures differ by less than `FOLLOW` of their kept
         bytes say the compiled memory does not follow the kept residuals, and the search
-        stops there, as with memory figures."""
+        stops there, as with memory figures. When the bisection converges with compiles
+        left and such figures calibrated the model, the rest go to `_walk`: sets beside
+        the predicted frontier that the figures say may fit."""
         front = _frontier(self.candidates)
         cap = _oracle_cap(len(front))
         self.max_compiles = min(self.max_compiles, cap) if self.budget_given else cap
@@ -853,6 +856,13 @@ class _Search:
                     return self.best()
         self.stop = ("bisection converged" if lo - hi <= 1
                      else f"the budget of {self.max_compiles} compiles is spent")
+        if lo - hi <= 1 and self.model is not None and self.used < self.max_compiles:
+            # converged with compiles to spare, and out-of-memory figures calibrated the
+            # model: the sets beside the frontier that the figures say may fit get the
+            # rest, by expected gain as with memory figures
+            self.log("fit: bisection converged; walking beside the frontier with "
+                     f"{self.max_compiles - self.used} compiles left")
+            return self._walk() or front[lo]
         return front[lo]
 
     def _oracle_next(self, front: Sequence[_Candidate], lo: int, hi: int) -> int:
