@@ -916,6 +916,8 @@ class _Search:
                 return self.best()
             self._check_used(every)
             if not got.over(self.limit):
+                if self.fits(()) and not self._follows(full, every):
+                    return self.best()  # full remat fits tightly, and memory is flat
                 self.max_compiles = total
                 return self._walk()
             figure, first = self._figure(got), self._figure(self.compiled[()])

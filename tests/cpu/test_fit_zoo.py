@@ -205,6 +205,12 @@ def test_flat_memory_below_full_remat_is_noticed_not_searched():
     flat[every.saved] = table[()] - 2 * MiB
     got, s, calls = _run(cands, flat, table[()] - MiB)
     assert got is not None and got.recompute <= every.recompute and flat[got.saved] <= table[()] - MiB
+    # Full remat fits tightly (the rescue's path) and every tag fits too: no remat is
+    # compiled, moves the figure by nearly nothing, and the search stops there too.
+    flat = {s: table[()] + 1024 * (13 * len(s) % 64 if s is not None else 63) for s in table}
+    got, s, calls = _run(cands, flat, table[()] + 100 * 1024)
+    assert "does not follow" in s.noticed and calls == [(), every.saved, None], calls
+    assert got is not None and got.recompute <= every.recompute
 
 
 @pytest.mark.parametrize("seed", range(6))
