@@ -901,7 +901,8 @@ class _Search:
         and the search stops there when it shows that); then each tag alone, most likely
         to fit first, until each has been compiled alone; then any set, most likely
         first. The first that fits hands over to the walk, with what is left of the
-        rescue's budget (`max_compiles` + `stretch`)."""
+        rescue's budget (`max_compiles` + `stretch`; with the compile as the oracle,
+        `_oracle_cap`, on the model its out-of-memory figures calibrated)."""
         if self.points():  # memory figures, or the out-of-memory error's
             self.model = _Model.calibrate(self.points())
         else:
@@ -940,9 +941,13 @@ class _Search:
             got = self._measure(c)
             if got.over(self.limit):
                 continue
-            if got.bytes is None:  # the compile is the oracle: no walk on figures
+            if got.bytes is None:  # the compile is the oracle: walk on the error's figures
                 self.oracle = True
-                break
+                cap = _oracle_cap(len(_frontier(self.candidates)))
+                if self.model is None or self.used >= cap:
+                    break
+                self.max_compiles = cap
+                return self._walk() or self.best()
             # one fits: recompute less with what is left of the rescue's budget
             self.max_compiles = total
             return self._walk()
