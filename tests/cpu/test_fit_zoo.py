@@ -134,17 +134,20 @@ def _synthetic(n_tags: int, seed: int, noise: float):
     return cands, table
 
 
-def _run(cands, table, limit, budget=6, oracle=False):
+def _run(cands, table, limit, budget=6, oracle=False, figures=False, stretch=6):
+    """The search on a table of compiled bytes. `oracle`: no memory figures, a compile
+    over the limit runs out of memory (`figures`: its error gives the bytes)."""
     calls = []
 
     def measure(c, predicted):
         calls.append(c.saved)
         b = table[c.saved]
         if oracle:
-            return F._Compiled(None, 0, 0, 0, 0, 1e9 + c.recompute, 0.0, oom=b > limit)
+            return F._Compiled(None, 0, 0, 0, 0, 1e9 + c.recompute, 0.0, oom=b > limit,
+                               reported=b if figures and b > limit else None)
         return F._Compiled(b, 0, 0, 0, 0, 1e9 + c.recompute, 0.0)
 
-    s = F._Search(list(cands), measure, limit, budget, stretch=6)
+    s = F._Search(list(cands), measure, limit, budget, stretch=stretch)
     return s.run(), s, calls
 
 
@@ -273,16 +276,7 @@ def test_oracle_spends_compiles_left_after_bisection_beside_the_frontier():
     cands, table = _synthetic(6, seed=4, noise=0.0)
     t = {s: b - (2 * MiB if s and "t5" in s else 0) for s, b in table.items()}
     limit = t[()] + int(55.147 * MiB)  # about half way from full remat to no remat
-    calls = []
-
-    def measure(c, predicted):
-        calls.append(c.saved)
-        b = t[c.saved]
-        return F._Compiled(None, 0, 0, 0, 0, 1e9 + c.recompute, 0.0, oom=b > limit,
-                           reported=b if b > limit else None)
-
-    s = F._Search(list(cands), measure, limit, 6, stretch=6)
-    got = s.run()
+    got, s, calls = _run(cands, t, limit, oracle=True, figures=True)
     front = F._frontier(cands)
     on_front = next(c for c in front if t[c.saved] <= limit)
     assert got is not None and t[got.saved] <= limit and got.saved in calls
@@ -305,17 +299,8 @@ def test_oracle_rescue_walks_on_after_a_set_fits():
         cands.append(F._Candidate(saved, MiB + n * MiB // 2, 2 * MiB - n * MiB // 8,
                                   10**10 + 10**9 * (10 - sum(gains[t] for t in saved))))
     cands.sort(key=lambda c: (c.recompute, c.kept, c.saved is not None))
-    limit = int(99.5 * MiB)
-    calls = []
-
-    def measure(c, predicted):
-        calls.append(c.saved)
-        b = int(table[c.saved] * MiB)
-        return F._Compiled(None, 0, 0, 0, 0, 1e9 + c.recompute, 0.0, oom=b > limit,
-                           reported=b if b > limit else None)
-
-    s = F._Search(cands, measure, limit, 6, stretch=3)
-    got = s.run()
+    got, s, calls = _run(cands, {k: int(v * MiB) for k, v in table.items()},
+                         int(99.5 * MiB), oracle=True, figures=True, stretch=3)
     assert ("t0",) in calls and got is not None and got.saved == ("t0", "t1"), (calls, s.stop)
     assert len(calls) <= F._oracle_cap(len(F._frontier(cands)))
 
@@ -330,16 +315,7 @@ def test_oracle_notices_memory_that_does_not_follow_the_kept_bytes():
     table = {c.saved: 60 * MiB + int(rng.uniform(-0.5, 0.5) * MiB) for c in cands}
     table[()] = 60 * MiB - MiB  # full remat fits
     limit = 60 * MiB - MiB // 2
-    calls = []
-
-    def measure(c, predicted):
-        calls.append(c.saved)
-        b = table[c.saved]
-        return F._Compiled(None, 0, 0, 0, 0, 1e9 + c.recompute, 0.0, oom=b > limit,
-                           reported=b if b > limit else None)
-
-    s = F._Search(list(cands), measure, limit, 6, stretch=6)
-    got = s.run()
+    got, s, calls = _run(cands, table, limit, oracle=True, figures=True)
     assert s.oracle and "does not follow" in s.noticed
     assert got is not None and table[got.saved] <= limit and got.saved in calls
     front = F._frontier(cands)
