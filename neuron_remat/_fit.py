@@ -52,8 +52,9 @@ graphs (arguments + outputs - donated state + kept + recomputed reads; when it f
 nothing is better) and bisects the rest: at most 2 + ceil(log2(frontier - 1)) compiles
 (`_oracle_cap`), within log2(frontier) + 3. The figures of out-of-memory errors (above the
 limit) calibrate the model as memory figures do (compiles left once the bisection converges
-go to the walk on that model), and two of them that differ by less than `FOLLOW` of their
-sets' kept bytes say memory does not follow the kept bytes.
+go to the walk on that model); a set that compiled is at most the limit, which bounds its
+tags' effects where the figures put it over; and two out-of-memory figures that differ by
+less than `FOLLOW` of their sets' kept bytes say memory does not follow the kept bytes.
 
 Two steps are reported rather than planned: one whose policy changes nothing (full remat
 and every tag saved compile to the same program: `PolicyIgnoredError`), and one whose
@@ -644,22 +645,39 @@ class _Search:
         normal, sd `TAG_SD` of full remat's bytes) plus noise (sd `SET_SD`). XLA's buffer
         packing moves with particular tags (saving one may compile smaller than saving
         none); a set that shares most of its tags with compiled sets is predicted from
-        them, and one made of tags never compiled keeps the tags' whole uncertainty."""
+        them, and one made of tags never compiled keeps the tags' whole uncertainty.
+
+        With the compile as the oracle, a set that compiled gives no figure, only that it
+        is within the limit: where the effects read from the figures put such a set over
+        the limit, the limit joins them as its figure (its tags must add at most that)."""
         assert self.model is not None
         key = (len(self.compiled), id(self.model))
         if getattr(self, "_gp_key", None) != key:
             rows = [(s, b - self.model.predict(self._by[s].kept, self._by[s].read))
                     for s, got in self.compiled.items()
                     if s is not None and (b := self._figure(got)) is not None]
-            tags = sorted({t for c in self.candidates if c.saved for t in c.saved})
-            x = np.array([[float(t in s) for t in tags] for s, _ in rows]).reshape(
-                len(rows), len(tags))
-            y = np.array([r for _, r in rows], float)
-            tau2, eps2 = (TAG_SD * self._scale) ** 2, (SET_SD * self._scale) ** 2
-            k = tau2 * x @ x.T + eps2 * np.eye(len(rows))
-            kinv = np.linalg.inv(k) if len(rows) else np.zeros((0, 0))
-            self._gp = (tags, x, kinv @ y if len(rows) else y, kinv, tau2, eps2)
+            self._gp = self._effects(rows)
+            bounds = [(s, room) for s, got in self.compiled.items()
+                      if s and self._figure(got) is None and not got.over(self.limit)
+                      and self._effect(s)[0] > (room := self.limit - self.model.predict(
+                          self._by[s].kept, self._by[s].read))]
+            if bounds:
+                self._gp = self._effects(rows + bounds)
             self._gp_key = key
+        return self._effect(saved)
+
+    def _effects(self, rows: Sequence[tuple[tuple[str, ...], float]]) -> tuple[Any, ...]:
+        """The per-tag effects' posterior from (save set, miss) rows, as `_effect` reads it."""
+        tags = sorted({t for c in self.candidates if c.saved for t in c.saved})
+        x = np.array([[float(t in s) for t in tags] for s, _ in rows]).reshape(
+            len(rows), len(tags))
+        y = np.array([r for _, r in rows], float)
+        tau2, eps2 = (TAG_SD * self._scale) ** 2, (SET_SD * self._scale) ** 2
+        k = tau2 * x @ x.T + eps2 * np.eye(len(rows))
+        kinv = np.linalg.inv(k) if len(rows) else np.zeros((0, 0))
+        return (tags, x, kinv @ y if len(rows) else y, kinv, tau2, eps2)
+
+    def _effect(self, saved: tuple[str, ...]) -> tuple[float, float]:
         tags, x, alpha, kinv, tau2, eps2 = self._gp
         v = np.array([float(t in saved) for t in tags])
         kv = tau2 * x @ v

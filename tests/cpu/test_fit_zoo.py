@@ -306,6 +306,36 @@ def test_oracle_rescue_walks_on_after_a_set_fits():
     assert len(calls) <= F._oracle_cap(len(F._frontier(cands)))
 
 
+def test_oracle_reads_a_set_that_compiled_as_at_most_the_limit():
+    """gqa4-adamw at 15.67 MiB with the compile as the oracle: full remat, every tag,
+    `key_proj` and `value_proj` alone ran out of memory (their figures a little over full
+    remat's), `context` alone compiled (no figure), and the search stopped there, while
+    `key_proj, value_proj, context` fits (1.45 points less recompute): read from the
+    figures alone, context's effect was 0 and every set with key or value looked over.
+    Here by hand (MiB): full remat 100, a and b alone 100.9, c alone 97 (c's saving cuts
+    XLA's workspace), limit 99.1; a, b, c together compile to 98.8. That c compiled
+    within the limit bounds its effect, and the walk goes on to a, b, c."""
+    sizes, gains = {"a": 1, "b": 1, "c": 3, "d": 6}, {"a": 1, "b": 1, "c": 4, "d": 3}
+    effect = {"a": 0.9, "b": 0.9, "c": -3.0, "d": 9.0}
+    table = {None: 160 * MiB}
+    cands = [F._Candidate(None, 20 * MiB, 0, 0)]
+    for r in range(len(sizes) + 1):
+        for saved in itertools.combinations(sizes, r):
+            table[saved] = int((100 + sum(effect[t] for t in saved)) * MiB)
+            n = sum(sizes[t] for t in saved)
+            cands.append(F._Candidate(saved, MiB + n * MiB // 2, 2 * MiB - n * MiB // 8,
+                                      10**10 + 10**9 * (10 - sum(gains[t] for t in saved))))
+    cands.sort(key=lambda c: (c.recompute, c.kept, c.saved is not None))
+    limit = int(99.1 * MiB)
+    got, s, calls = _run(cands, table, limit, oracle=True, figures=True, stretch=3)
+    assert ("c",) in calls and ("a",) in calls and ("b",) in calls, calls
+    # the best that fits, by brute force over the table
+    best = min((c for c in cands if table[c.saved] <= limit), key=lambda c: c.recompute)
+    assert best.saved == ("a", "b", "c")
+    assert got is not None and got.saved == best.saved, (calls, s.stop)
+    assert len(calls) <= F._oracle_cap(len(F._frontier(cands)))
+
+
 def test_oracle_notices_memory_that_does_not_follow_the_kept_bytes():
     """An unrolled stack on XLA:CPU, as a table: every set compiles to about the same bytes
     whatever it keeps. With the compile as the oracle, two out-of-memory figures that
