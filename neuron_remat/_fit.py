@@ -678,6 +678,8 @@ class _Search:
         return (tags, x, kinv @ y if len(rows) else y, kinv, tau2, eps2)
 
     def _effect(self, saved: tuple[str, ...]) -> tuple[float, float]:
+        """The summed effect of `saved`'s tags under the posterior `_effects` built, and
+        its variance (noise included)."""
         tags, x, alpha, kinv, tau2, eps2 = self._gp
         v = np.array([float(t in saved) for t in tags])
         kv = tau2 * x @ v

@@ -285,6 +285,19 @@ def test_oracle_spends_compiles_left_after_bisection_beside_the_frontier():
     assert len(calls) <= math.log2(len(front)) + 3
 
 
+def _by_hand(sizes, gains, table_mib):
+    """Candidates and a byte table for a search by hand: each tag keeps `sizes[t]` half-MiB
+    units (and its recompute reads a little less), saves `gains[t]` GFLOP; `table_mib`
+    gives each save set's compiled MiB (None: no remat)."""
+    cands = [F._Candidate(None, 20 * MiB, 0, 0)]
+    for saved in (s for s in table_mib if s is not None):
+        n = sum(sizes[t] for t in saved)
+        cands.append(F._Candidate(saved, MiB + n * MiB // 2, 2 * MiB - n * MiB // 8,
+                                  10**10 + 10**9 * (10 - sum(gains[t] for t in saved))))
+    cands.sort(key=lambda c: (c.recompute, c.kept, c.saved is not None))
+    return cands, {k: int(v * MiB) for k, v in table_mib.items()}
+
+
 def test_oracle_rescue_walks_on_after_a_set_fits():
     """gqa4-adamw at 15.87 MiB (full remat compiles to 15.90) with the compile as the
     oracle: the rescue found `context` alone (21.50%) in 5 of its 7 compiles and stopped,
@@ -294,14 +307,8 @@ def test_oracle_rescue_walks_on_after_a_set_fits():
     sizes, gains = {"t0": 1, "t1": 2, "t2": 2}, {"t0": 5, "t1": 3, "t2": 2}
     table = {(): 100, ("t0",): 99, ("t1",): 100.5, ("t2",): 100.4, ("t0", "t1"): 99.4,
              ("t0", "t2"): 99.3, ("t1", "t2"): 101, ("t0", "t1", "t2"): 101.5, None: 110}
-    cands = [F._Candidate(None, 20 * MiB, 0, 0)]
-    for saved in (s for s in table if s is not None):
-        n = sum(sizes[t] for t in saved)
-        cands.append(F._Candidate(saved, MiB + n * MiB // 2, 2 * MiB - n * MiB // 8,
-                                  10**10 + 10**9 * (10 - sum(gains[t] for t in saved))))
-    cands.sort(key=lambda c: (c.recompute, c.kept, c.saved is not None))
-    got, s, calls = _run(cands, {k: int(v * MiB) for k, v in table.items()},
-                         int(99.5 * MiB), oracle=True, figures=True, stretch=3)
+    cands, table = _by_hand(sizes, gains, table)
+    got, s, calls = _run(cands, table, int(99.5 * MiB), oracle=True, figures=True, stretch=3)
     assert ("t0",) in calls and got is not None and got.saved == ("t0", "t1"), (calls, s.stop)
     assert len(calls) <= F._oracle_cap(len(F._frontier(cands)))
 
@@ -317,15 +324,9 @@ def test_oracle_reads_a_set_that_compiled_as_at_most_the_limit():
     within the limit bounds its effect, and the walk goes on to a, b, c."""
     sizes, gains = {"a": 1, "b": 1, "c": 3, "d": 6}, {"a": 1, "b": 1, "c": 4, "d": 3}
     effect = {"a": 0.9, "b": 0.9, "c": -3.0, "d": 9.0}
-    table = {None: 160 * MiB}
-    cands = [F._Candidate(None, 20 * MiB, 0, 0)]
-    for r in range(len(sizes) + 1):
-        for saved in itertools.combinations(sizes, r):
-            table[saved] = int((100 + sum(effect[t] for t in saved)) * MiB)
-            n = sum(sizes[t] for t in saved)
-            cands.append(F._Candidate(saved, MiB + n * MiB // 2, 2 * MiB - n * MiB // 8,
-                                      10**10 + 10**9 * (10 - sum(gains[t] for t in saved))))
-    cands.sort(key=lambda c: (c.recompute, c.kept, c.saved is not None))
+    cands, table = _by_hand(sizes, gains, {None: 160} | {
+        saved: 100 + sum(effect[t] for t in saved)
+        for r in range(len(sizes) + 1) for saved in itertools.combinations(sizes, r)})
     limit = int(99.1 * MiB)
     got, s, calls = _run(cands, table, limit, oracle=True, figures=True, stretch=3)
     assert ("c",) in calls and ("a",) in calls and ("b",) in calls, calls
