@@ -1,0 +1,321 @@
+"""`fit` on a real accelerator: does the plan's step fit when it runs, and what does its
+recompute cost in time?
+
+Optional, for a machine with a CUDA GPU; never needed for CI (elsewhere it says so and
+exits with status 0). The steps are tests/cpu/zoo.py's scanned ones, made larger
+(``--batch-scale``, ``--width-scale``: hidden, FFN and head widths) so that a step's time
+is more than kernel launches. For each step:
+
+1. one process compiles full remat and no remat on the GPU (``memory_analysis()``:
+   argument + output + temp - alias), which bound the HBM sizes: each ``--fractions``
+   share of the way from the one to the other;
+2. one process per size runs ``neuron_remat.fit`` against XLA:GPU (at most ``--jobs`` at
+   once: compiling is CPU work), a simulated one-core device of that HBM, no reserve;
+3. one fresh process per plan (several at once: each has its own allocator) compiles
+   ``Plan.policy``'s save set itself, allocates the real state and batch, runs the step
+   once and reads ``memory_stats()["peak_bytes_in_use"]`` (a process-lifetime high-water
+   mark: the state, the batch and the step's own buffers; hence a process each);
+4. one process per step, one at a time, times ``--iters`` steps (the median, after two)
+   of full remat, no remat and each plan, the state fed back as the step donates it.
+
+Printed per plan: the HBM size, the save set, the bytes the plan states, the bytes its
+policy compiles to here, the measured peak and whether it is within the size; the recompute
+as points of step FLOPs (fit's traced count) beside the measured step time over no
+remat's. The time figures are this GPU's: on Trainium the engines differ
+(README, "Recompute time as the objective").
+
+    python benchmarks/gpu_fit.py [--steps a,b] [--fractions 0.3,0.7] [--out out]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+# The parent only orchestrates; each worker measures what its own step allocates.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # run as a script or imported
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+
+NAME = "gpu_fit"
+MiB = 1 << 20
+STEPS = ("gqa4-adamw", "wide-ffn-sgd-bf16", "long-seq", "wide-attn-mqa-adafactor",
+         "moe-fused-qkv", "big-state")
+"""The zoo's scanned steps (the unrolled one is about XLA:CPU's scheduling)."""
+
+
+def _spec(name: str, batch_scale: int, width_scale: int) -> Any:
+    sys.path.insert(0, str(C.REPO / "tests" / "cpu"))
+    if str(C.REPO) not in sys.path:
+        sys.path.insert(0, str(C.REPO))
+    import zoo  # noqa: PLC0415
+
+    if name not in zoo.ZOO:
+        raise SystemExit(f"gpu_fit: --steps: {name!r} is not a zoo step; valid: "
+                         f"{', '.join(STEPS)}")
+    s = zoo.ZOO[name]
+    return dataclasses.replace(s, batch=s.batch * batch_scale, hidden=s.hidden * width_scale,
+                               ffn=s.ffn * width_scale, head_dim=s.head_dim * width_scale)
+
+
+def _policy(saved: Sequence[str] | None) -> Any:
+    import jax  # noqa: PLC0415
+
+    if saved is None:
+        return jax.checkpoint_policies.everything_saveable
+    return jax.checkpoint_policies.save_only_these_names(*saved)
+
+
+def _bytes(compiled: Any) -> int:
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - m.alias_size_in_bytes)
+
+
+# ---- workers (one fresh process each) -------------------------------------------------
+
+
+def work_range(spec: Any) -> dict[str, Any]:
+    """Full remat's and no remat's compiled bytes."""
+    make, args = spec.make_step(), spec.abstract_args()
+    return {s: _bytes(make(_policy(saved)).lower(*args).compile())
+            for s, saved in (("full", ()), ("none", None))}
+
+
+def work_fit(spec: Any, hbm: int) -> dict[str, Any]:
+    """`fit` at `hbm` bytes; the plan's save set and stated figures."""
+    import neuron_remat as nr  # noqa: PLC0415
+
+    device = nr.parse_device(f"trn2.48xlarge:hbm={hbm}B:cores=1", source="gpu_fit")
+    lines: list[str] = []
+    t0 = time.perf_counter()
+    try:
+        plan = nr.fit(spec.make_step(), *spec.abstract_args(), device=device, reserve=0,
+                      progress=lines.append)
+    except (nr.NoFitError, ValueError) as err:
+        return {"hbm": hbm, "outcome": type(err).__name__, "why": str(err).splitlines()[0],
+                "log": lines, "seconds": time.perf_counter() - t0}
+    rec = plan.compiled
+    return {"hbm": hbm, "outcome": "plan", "saved": None if rec.no_remat
+            else list(plan.saved_tags), "stated_bytes": rec.bytes, "stated_flops": rec.flops,
+            "overhead": rec.overhead, "compiles": rec.compiles, "log": lines,
+            "seconds": time.perf_counter() - t0}
+
+
+def work_peak(spec: Any, saved: Sequence[str] | None) -> dict[str, Any]:
+    """Compile the step for `saved` and run it once on real arrays: its peak bytes."""
+    import jax  # noqa: PLC0415
+
+    dev = jax.devices()[0]
+    exe = spec.make_step()(_policy(saved)).lower(*spec.abstract_args()).compile()
+    state, tokens = _arrays(spec)
+    stats = dev.memory_stats() or {}
+    before, init_peak = stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
+    state, loss = exe(state, tokens)
+    jax.block_until_ready((state, loss))
+    cost = exe.cost_analysis()
+    cost = (cost[0] if isinstance(cost, list) and cost else cost) or {}
+    return {"saved": None if saved is None else list(saved), "compiled_bytes": _bytes(exe),
+            "flops": float(cost.get("flops", float("nan"))), "before_bytes": before,
+            "init_peak_bytes": init_peak,
+            "peak_bytes": (dev.memory_stats() or {}).get("peak_bytes_in_use"),
+            "loss": float(loss), "device": str(dev)}
+
+
+def work_time(spec: Any, sets: Sequence[Sequence[str] | None], iters: int) -> list[float]:
+    """The median step time of each save set (None: no remat), one after the other."""
+    import jax  # noqa: PLC0415
+
+    out = []
+    for saved in sets:
+        exe = spec.make_step()(_policy(saved)).lower(*spec.abstract_args()).compile()
+        state, tokens = _arrays(spec)
+        times = []
+        for _ in range(iters + 2):  # two warm-up steps
+            t = time.perf_counter()
+            state, loss = exe(state, tokens)
+            jax.block_until_ready((state, loss))
+            times.append(time.perf_counter() - t)
+        out.append(sorted(times[2:])[iters // 2])
+    return out
+
+
+def _arrays(spec: Any) -> tuple[Any, Any]:
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    params = spec.init(jax.random.PRNGKey(0))
+    state = (params, spec.optimizer_fn().init(params))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (spec.batch, spec.seq + 1), 0,
+                                spec.vocab, jnp.int32)
+    return jax.block_until_ready((state, tokens))
+
+
+def _worker(argv: Sequence[str]) -> None:
+    kind, name, bs, ws, payload = argv[:5]
+    spec = _spec(name, int(bs), int(ws))
+    data = json.loads(payload)
+    if kind == "range":
+        out = work_range(spec)
+    elif kind == "fit":
+        out = work_fit(spec, int(data))
+    elif kind == "peak":
+        out = work_peak(spec, data)
+    else:
+        out = {"seconds": work_time(spec, data["sets"], int(data["iters"]))}
+    print(json.dumps(out))
+
+
+# ---- the parent -----------------------------------------------------------------------
+
+
+def _call(kind: str, name: str, args: Any, payload: Any) -> dict[str, Any]:
+    cmd = [sys.executable, __file__, "--worker", kind, name, str(args.batch_scale),
+           str(args.width_scale), json.dumps(payload)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout,
+                          env=dict(os.environ, PYTHONPATH=str(C.REPO)))
+    if proc.returncode:
+        tail = proc.stderr.strip().splitlines()[-3:]
+        return {"error": f"{kind} {name} {payload}: exit {proc.returncode}: "
+                         + " | ".join(tail)}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure(args: Any, say: Any) -> dict[str, Any]:
+    steps = [s for s in args.steps.split(",") if s]
+    t_end = time.monotonic() + (args.deadline or 1e9)
+    fracs = [float(f) for f in args.fractions.split(",") if f]
+    pool = ThreadPoolExecutor(max_workers=args.jobs)
+    if args.reuse is not None:  # the plans (and their peaks) of an earlier run: time them
+        out = json.loads(args.reuse.read_text())["steps"]
+        out = {s: out[s] for s in steps}
+        _time(out, steps, args, t_end, say)
+        return {"batch_scale": args.batch_scale, "width_scale": args.width_scale,
+                "iters": args.iters, "steps": out, "reused": str(args.reuse)}
+    ranges = dict(zip(steps, pool.map(lambda s: _call("range", s, args, 0), steps)))
+    jobs = []
+    for s in steps:
+        r = ranges[s]
+        if "error" in r:
+            say(f"  {s}: {r['error']}")
+            continue
+        say(f"  {s}: full remat {r['full'] / MiB:.1f} MiB, no remat {r['none'] / MiB:.1f} MiB")
+        jobs += [(s, int(r["full"] + f * (r["none"] - r["full"]))) for f in fracs]
+    fits = list(pool.map(lambda j: _call("fit", j[0], args, j[1]), jobs))
+    out: dict[str, Any] = {s: {"range": ranges[s], "plans": [], "base": {}} for s in steps}
+    for (s, hbm), f in zip(jobs, fits):
+        say(f"  {s} at {hbm / MiB:.1f} MiB: "
+            + (f.get("error") or f"{f['outcome']} {f.get('saved')} ({f['seconds']:.0f} s)"))
+        out[s]["plans"].append(f)
+    planned = [f for s in steps for f in out[s]["plans"] if f.get("outcome") == "plan"]
+    owner = [s for s in steps for f in out[s]["plans"] if f.get("outcome") == "plan"]
+    # peaks: a fresh process per plan (each its own allocator), several at once
+    for s, f, r in zip(owner, planned, pool.map(
+            lambda sf: _call("peak", sf[0], args, sf[1]["saved"]), zip(owner, planned))):
+        f["run"] = r
+    _time(out, steps, args, t_end, say)
+    return {"batch_scale": args.batch_scale, "width_scale": args.width_scale,
+            "iters": args.iters, "steps": out}
+
+
+def _time(out: dict[str, Any], steps: Sequence[str], args: Any, t_end: float,
+          say: Any) -> None:
+    """Time full remat, no remat and each plan: one process per step, one at a time."""
+    for s in steps:
+        if "error" in out[s]["range"] or time.monotonic() > t_end:
+            continue
+        plans = [f for f in out[s]["plans"] if f.get("outcome") == "plan"]
+        got = _call("time", s, args, {"sets": [(), None] + [f["saved"] for f in plans],
+                                      "iters": args.iters})
+        if "error" in got:
+            say(f"  {s}: {got['error']}")
+            continue
+        secs = got["seconds"]
+        out[s]["base"] = {"full": secs[0], "none": secs[1]}
+        for f, t in zip(plans, secs[2:]):
+            f["step_seconds"] = t
+        say(f"  {s}: timed")
+
+
+def report(res: dict[str, Any]) -> str:
+    rows = []
+    for s, d in res["steps"].items():
+        t0 = d["base"].get("none")
+        for f in d["plans"]:
+            r = f.get("run", {})
+            if f.get("outcome") != "plan" or "error" in r:
+                rows.append((s, f"{f.get('hbm', 0) / MiB:.1f}",
+                             f.get("outcome") or f.get("error", "error")[:40], *["-"] * 7))
+                continue
+            peak, t = r.get("peak_bytes"), f.get("step_seconds")
+            rows.append((
+                s, f"{f['hbm'] / MiB:.1f}",
+                "no remat" if f["saved"] is None else ",".join(f["saved"]) or "full remat",
+                f"{f['stated_bytes'] / MiB:.1f}", f"{r['compiled_bytes'] / MiB:.1f}",
+                "-" if peak is None else f"{peak / MiB:.1f}",
+                "-" if peak is None else ("yes" if peak <= f["hbm"] else "NO"),
+                C.pct(f["overhead"]),
+                "-" if not (t0 and t) else C.pct(t / t0 - 1),
+                "-" if not t else f"{1e3 * t:.2f}"))
+    text = C.table(rows, ("step", "HBM MiB", "plan", "stated MiB", "compiled MiB",
+                          "peak MiB", "peak fits", "recompute (FLOPs)",
+                          "time over no remat", "step ms"))
+    base = [(s, *(f"{1e3 * d['base'][k]:.2f}" if k in d["base"] else "-"
+                  for k in ("full", "none")),
+             f"{d['range'].get('full', 0) / MiB:.1f}", f"{d['range'].get('none', 0) / MiB:.1f}")
+            for s, d in res["steps"].items()]
+    return (f"fit against XLA:GPU (zoo steps, batch x{res['batch_scale']}, widths "
+            f"x{res['width_scale']}; median of {res['iters']} steps)\n" + text + "\n\n"
+            + C.table(base, ("step", "full remat ms", "no remat ms", "full remat MiB",
+                             "no remat MiB")))
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    p = C.parser(__doc__.split("\n")[0], NAME)
+    p.add_argument("--steps", default=",".join(STEPS))
+    p.add_argument("--fractions", default="0.3,0.7",
+                   help="HBM sizes: shares of the way from full remat's bytes to no remat's")
+    p.add_argument("--batch-scale", type=int, default=16)
+    p.add_argument("--width-scale", type=int, default=4)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--jobs", type=int, default=8, help="fit processes at once")
+    p.add_argument("--worker-timeout", type=int, default=400)
+    p.add_argument("--reuse", type=Path, default=None, metavar="JSON",
+                   help="an earlier run's JSON: time its plans again (no fit, no peaks)")
+    p.add_argument("--deadline", type=float, default=0,
+                   help="seconds after which no more steps are timed (0: none)")
+    p.add_argument("--any-backend", action="store_true",
+                   help="run where no GPU is (to try the script; the figures mean little)")
+    args = p.parse_args(argv)
+    say = C.Printer(args.quiet)
+    import jax  # noqa: PLC0415
+
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if not gpus and not args.any_backend:
+        say("gpu_fit: no CUDA GPU here; nothing measured")
+        return {"skipped": "no GPU"}
+    result = measure(args, say)
+    result["device"] = str(gpus[0]) if gpus else str(jax.devices()[0])
+    result["jax"] = jax.__version__
+    return C.finish(args, NAME, result, report(result), say)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        _worker(sys.argv[2:])
+    else:
+        main()
