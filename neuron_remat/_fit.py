@@ -54,7 +54,8 @@ nothing is better) and bisects the rest: at most 2 + ceil(log2(frontier - 1)) co
 limit) calibrate the model as memory figures do (compiles left once the bisection converges
 go to the walk on that model); a set that compiled is at most the limit, which bounds its
 tags' effects where the figures put it over; and two out-of-memory figures that differ by
-less than `FOLLOW` of their sets' kept bytes say memory does not follow the kept bytes.
+less than `FOLLOW` of their sets' kept bytes say memory does not follow the kept bytes
+(then every tag saved, as likely to fit as any set, is compiled before the search stops).
 
 Two steps are reported rather than planned: one whose policy changes nothing (full remat
 and every tag saved compile to the same program: `PolicyIgnoredError`), and one whose
@@ -846,7 +847,7 @@ class _Search:
         when that fits, nothing is better). An out-of-memory error's byte figure is kept:
         two sets over the limit whose figures differ by less than `FOLLOW` of their kept
         bytes say the compiled memory does not follow the kept residuals, and the search
-        stops there, as with memory figures. When the bisection converges with compiles
+        stops there, as with memory figures (after `_flat_best`). When the bisection converges with compiles
         left and such figures calibrated the model, the rest go to `_walk`: sets beside
         the predicted frontier that the figures say may fit."""
         front = _frontier(self.candidates)
@@ -874,7 +875,7 @@ class _Search:
             if got.reported is not None:
                 overs.append((c, got.reported))
                 if self._flat(overs):
-                    return self.best()
+                    return self._flat_best()
         self.stop = ("bisection converged" if lo - hi <= 1
                      else f"the budget of {self.max_compiles} compiles is spent")
         if lo - hi <= 1 and self.model is not None and self.used < self.max_compiles:
@@ -912,6 +913,17 @@ class _Search:
                             f"{_what(b.saved)}, but the compiler's out-of-memory figures "
                             f"differ by {fmt_bytes(ra - rb)}")
         return True
+
+    def _flat_best(self) -> _Candidate | None:
+        """The compiled memory does not follow the kept bytes (`_flat`): every save set
+        compiles to about the same bytes, so the least-recompute one (every tag) is as
+        likely to fit as any; compile it when it was not and the budget allows (as the
+        search with memory figures compiles it first), then the best that fit."""
+        every = next((c for c in self.candidates if c.saved is not None), None)
+        if every is not None and every.saved not in self.compiled \
+                and self.used < self.max_compiles:
+            self._measure(every)
+        return self.best()
 
     def _rescue(self) -> _Candidate | None:
         """Full remat does not fit, or fits tightly (`TIGHT`): look for sets that compile
