@@ -24,24 +24,24 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    saving none. A set sharing most tags with compiled ones is predicted from them, with
    little uncertainty; one made of tags never compiled keeps their whole uncertainty;
 3. searches by expected gain: each set that recomputes less than the best compiled fit
-   gets a chance to fit (normal errors: the search's uncertainty and the set's own), and the next compile
-   goes to the largest chance x recompute saved, among sets whose chance is at least
-   `PLAUSIBLE`. The uncertainty starts at `band` of full remat's bytes, widens after a
-   miss (a compile off its prediction by more than it) and narrows after a hit. When two
-   compiles in a row come out over, the walk has stalled: the next compile bisects the
-   predicted frontier (the Pareto sets by predicted bytes and recompute) between the best
-   fit and the nearest set known over. The last compile of the budget never goes to a
-   long shot (chance under one half) while nothing better than full remat fits. It stops
-   when the least-recompute set fits, nothing better is plausible, or the budget
-   (`max_compiles`, 6 up to 8 tags, said up front) is spent, and logs why; the plan is
-   the least-recompute set whose compile fit, never one that did not. No remat is a
+   gets a chance to fit (normal errors: the search's uncertainty and the set's own), and
+   the next compile goes to the largest chance x recompute saved, among sets whose chance
+   is at least `PLAUSIBLE`. The uncertainty starts at `band` of full remat's bytes, widens
+   after a miss (a compile off its prediction by more than it) and narrows after a hit.
+   When two compiles in a row come out over, the walk has stalled: the next compile
+   bisects the predicted frontier (the Pareto sets by predicted bytes and recompute)
+   between the best fit and the nearest set known over. The last compile of the budget
+   never goes to a long shot (chance under one half) while nothing better than full remat
+   fits. It stops when the least-recompute set fits, nothing better is plausible, or the
+   budget (`max_compiles`, 6 up to 8 tags, said up front) is spent, and logs why; the plan
+   is the least-recompute set whose compile fit, never one that did not. No remat is a
    candidate like the others (its policy: ``everything_saveable``), compiled once the
    least-recompute save set fits. When full remat does not fit, or fits with less than
    `TIGHT` x the uncertainty to spare (there the model cannot rank the sets: one tag's
-   packing moves the figure by more than the room), every tag saved, then each tag
-   alone, then any set, most likely to fit first, are compiled (one per tag more) before
-   `NoFitError` or full remat, and the walk goes on from the first that fits with what
-   is left of that budget.
+   packing moves the figure by more than the room), every tag saved, then each tag alone,
+   then any set, most likely to fit first, are compiled (one per tag more) before
+   `NoFitError` or full remat, and the walk goes on from the first that fits with what is
+   left of that budget.
 
 A backend without ``memory_analysis()`` (it raises, returns None, or reports nothing; the
 Neuron PJRT plugin may not implement it) makes the compile the oracle: an error carrying
@@ -113,8 +113,8 @@ class Probe:
 
     `bytes` is ``argument + output + temp - alias`` from ``memory_analysis()`` (-1 when the
     backend reports none: then the compile is the oracle, `out_of_memory` its answer);
-    `saved` is None for no remat. `predicted_bytes` is what the fitted model said before this compile
-    (None for the probes it was fitted on)."""
+    `saved` is None for no remat. `predicted_bytes` is what the fitted model said before
+    this compile (None for the probes it was fitted on)."""
 
     label: str
     saved: tuple[str, ...] | None
@@ -847,9 +847,9 @@ class _Search:
         when that fits, nothing is better). An out-of-memory error's byte figure is kept:
         two sets over the limit whose figures differ by less than `FOLLOW` of their kept
         bytes say the compiled memory does not follow the kept residuals, and the search
-        stops there, as with memory figures (after `_flat_best`). When the bisection converges with compiles
-        left and such figures calibrated the model, the rest go to `_walk`: sets beside
-        the predicted frontier that the figures say may fit."""
+        stops there (`_flat_best`), as with memory figures. When the bisection converges
+        with compiles left and such figures calibrated the model, the rest go to `_walk`:
+        sets beside the predicted frontier that the figures say may fit."""
         front = _frontier(self.candidates)
         cap = _oracle_cap(len(front))
         self.max_compiles = min(self.max_compiles, cap) if self.budget_given else cap
