@@ -25,6 +25,8 @@ remat's. The time figures are this GPU's: on Trainium the engines differ
 (README, "Recompute time as the objective").
 
     python benchmarks/gpu_fit.py [--steps a,b] [--fractions 0.3,0.7] [--out out]
+    python benchmarks/gpu_fit.py --reuse out/gpu_fit.json   # time those plans again
+    python benchmarks/gpu_fit.py --steps gqa4-adamw --repeat 3 --json out/gpu_fit_repeat.json
 """
 
 from __future__ import annotations
@@ -113,6 +115,15 @@ def work_fit(spec: Any, hbm: int) -> dict[str, Any]:
             "seconds": time.perf_counter() - t0}
 
 
+def work_compile(spec: Any) -> dict[str, Any]:
+    """Every tag saved, compiled: its bytes and FLOPs (does a compile repeat?)."""
+    saved = tuple(sorted({t for t in spec.tags.values() if t}))
+    exe = spec.make_step()(_policy(saved)).lower(*spec.abstract_args()).compile()
+    cost = exe.cost_analysis()
+    cost = (cost[0] if isinstance(cost, list) and cost else cost) or {}
+    return {"bytes": _bytes(exe), "flops": float(cost.get("flops", float("nan")))}
+
+
 def work_peak(spec: Any, saved: Sequence[str] | None) -> dict[str, Any]:
     """Compile the step for `saved` and run it once on real arrays: its peak bytes."""
     import jax  # noqa: PLC0415
@@ -170,6 +181,8 @@ def _worker(argv: Sequence[str]) -> None:
         out = work_range(spec)
     elif kind == "fit":
         out = work_fit(spec, int(data))
+    elif kind == "compile":
+        out = work_compile(spec)
     elif kind == "peak":
         out = work_peak(spec, data)
     else:
@@ -197,6 +210,9 @@ def measure(args: Any, say: Any) -> dict[str, Any]:
     t_end = time.monotonic() + (args.deadline or 1e9)
     fracs = [float(f) for f in args.fractions.split(",") if f]
     pool = ThreadPoolExecutor(max_workers=args.jobs)
+    if args.repeat:  # every tag saved, compiled alone in a fresh process, `repeat` times
+        return {"repeat": {s: [_call("compile", s, args, 0) for _ in range(args.repeat)]
+                           for s in steps}}
     if args.reuse is not None:  # the plans (and their peaks) of an earlier run: time them
         out = json.loads(args.reuse.read_text())["steps"]
         out = {s: out[s] for s in steps}
@@ -249,6 +265,13 @@ def _time(out: dict[str, Any], steps: Sequence[str], args: Any, t_end: float,
 
 
 def report(res: dict[str, Any]) -> str:
+    if "repeat" in res:
+        return "every tag saved, compiled alone in fresh processes, one after another\n" + \
+            C.table([(s, *(f"{r.get('bytes', 0) / MiB:.2f} MiB {r.get('flops', 0) / 1e9:.2f} "
+                           "GFLOP" if "error" not in r else r["error"][:40] for r in rs))
+                     for s, rs in res["repeat"].items()],
+                    ("step", *(f"compile {i + 1}" for i in range(len(
+                        next(iter(res["repeat"].values()), []))))))
     rows = []
     for s, d in res["steps"].items():
         t0 = d["base"].get("none")
@@ -293,6 +316,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--worker-timeout", type=int, default=400)
     p.add_argument("--reuse", type=Path, default=None, metavar="JSON",
                    help="an earlier run's JSON: time its plans again (no fit, no peaks)")
+    p.add_argument("--repeat", type=int, default=0, metavar="N",
+                   help="only compile each step's every-tag set N times, one fresh process "
+                        "after another (does a compile repeat?)")
     p.add_argument("--deadline", type=float, default=0,
                    help="seconds after which no more steps are timed (0: none)")
     p.add_argument("--any-backend", action="store_true",
