@@ -55,7 +55,8 @@ limit) calibrate the model as memory figures do (compiles left once the bisectio
 go to the walk on that model); a set that compiled is at most the limit, which bounds its
 tags' effects where the figures put it over; and two out-of-memory figures that differ by
 less than `FOLLOW` of their sets' kept bytes say memory does not follow the kept bytes
-(then every tag saved, as likely to fit as any set, is compiled before the search stops).
+(then every tag saved, as likely to fit as any set, is compiled if it was not and a
+compile is left, before the search stops).
 
 Two steps are reported rather than planned: one whose policy changes nothing (full remat
 and every tag saved compile to the same program: `PolicyIgnoredError`), and one whose
