@@ -205,3 +205,31 @@ def test_run_all_counts_a_missing_comparison_as_a_failure():
     assert run_all.failures({}, ["frontier"])  # nothing measured at all
     assert run_all.failures({"fit_sweep": {"always_fits": True}}, ["fit_sweep"]) == [
         "fit_sweep: fit_sweep.refuses_only_when_nothing_fits is None"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--steps", "nope"], "--steps 'nope': nope: not a scanned zoo step"),
+    (["--steps", "unrolled-gqa2"], "not a scanned zoo step"),
+    (["--fractions", "0.3,x"], "--fractions '0.3,x'"),
+    (["--fractions", "2"], "each in [0, 1.05]"),
+    (["--iters", "0"], "--iters 0: must be at least 1"),
+    (["--reuse", "/nonexistent/gpu_fit.json"], "--reuse /nonexistent/gpu_fit.json: cannot use"),
+])
+def test_gpu_fit_names_a_bad_option_in_one_line(argv, says, capsys, tmp_path):
+    """benchmarks/gpu_fit.py: bad options end in argparse's one-line error (exit 2), before
+    JAX looks for a GPU; with none here it skips (status 0) instead of measuring."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import gpu_fit
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    with pytest.raises(SystemExit) as exit_:
+        gpu_fit.main([*argv, "--out", str(tmp_path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert says in err[-1] and "Traceback" not in "\n".join(err), err
+    skipped = gpu_fit.main(["--quiet", "--out", str(tmp_path)])
+    import jax
+
+    if not [d for d in jax.devices() if d.platform == "gpu"]:
+        assert skipped == {"skipped": "no GPU"}
