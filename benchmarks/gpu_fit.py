@@ -64,13 +64,17 @@ STEPS = ("gqa4-adamw", "wide-ffn-sgd-bf16", "long-seq", "wide-attn-mqa-adafactor
 """The zoo's scanned steps (the unrolled one is about XLA:CPU's scheduling)."""
 
 
-def _spec(name: str, batch_scale: int, width_scale: int) -> Any:
-    sys.path.insert(0, str(C.REPO / "tests" / "cpu"))
-    if str(C.REPO) not in sys.path:
-        sys.path.insert(0, str(C.REPO))
+def _zoo() -> Any:
+    for path in (C.REPO, C.REPO / "tests" / "cpu"):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
     import zoo  # noqa: PLC0415
 
-    s = zoo.ZOO[name]
+    return zoo
+
+
+def _spec(name: str, batch_scale: int, width_scale: int) -> Any:
+    s = _zoo().ZOO[name]
     return dataclasses.replace(s, batch=s.batch * batch_scale, hidden=s.hidden * width_scale,
                                ffn=s.ffn * width_scale, head_dim=s.head_dim * width_scale)
 
@@ -87,6 +91,12 @@ def _bytes(compiled: Any) -> int:
     m = compiled.memory_analysis()
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                - m.alias_size_in_bytes)
+
+
+def _flops(compiled: Any) -> float:
+    cost = compiled.cost_analysis()  # a dict, or a list of one on older JAX
+    cost = (cost[0] if isinstance(cost, list) and cost else cost) or {}
+    return float(cost.get("flops", float("nan")))
 
 
 # ---- workers (one fresh process each) -------------------------------------------------
@@ -123,9 +133,7 @@ def work_compile(spec: Any) -> dict[str, Any]:
     """Every tag saved, compiled: its bytes and FLOPs (does a compile repeat?)."""
     saved = tuple(sorted({t for t in spec.tags.values() if t}))
     exe = spec.make_step()(_policy(saved)).lower(*spec.abstract_args()).compile()
-    cost = exe.cost_analysis()
-    cost = (cost[0] if isinstance(cost, list) and cost else cost) or {}
-    return {"bytes": _bytes(exe), "flops": float(cost.get("flops", float("nan")))}
+    return {"bytes": _bytes(exe), "flops": _flops(exe)}
 
 
 def work_peak(spec: Any, saved: Sequence[str] | None) -> dict[str, Any]:
@@ -139,10 +147,8 @@ def work_peak(spec: Any, saved: Sequence[str] | None) -> dict[str, Any]:
     before, init_peak = stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
     state, loss = exe(state, tokens)
     jax.block_until_ready((state, loss))
-    cost = exe.cost_analysis()
-    cost = (cost[0] if isinstance(cost, list) and cost else cost) or {}
     return {"saved": None if saved is None else list(saved), "compiled_bytes": _bytes(exe),
-            "flops": float(cost.get("flops", float("nan"))), "before_bytes": before,
+            "flops": _flops(exe), "before_bytes": before,
             "init_peak_bytes": init_peak,
             "peak_bytes": (dev.memory_stats() or {}).get("peak_bytes_in_use"),
             "loss": float(loss), "device": str(dev)}
@@ -320,9 +326,7 @@ def report(res: dict[str, Any]) -> str:
 
 def _check(p: Any, args: Any) -> None:
     """One line naming the bad value (argparse's error, exit 2) for bad options."""
-    sys.path.insert(0, str(C.REPO / "tests" / "cpu"))
-    import zoo  # noqa: PLC0415
-
+    zoo = _zoo()
     steps = [s for s in args.steps.split(",") if s]
     bad = [s for s in steps if s not in zoo.ZOO or not zoo.ZOO[s].scan]
     if bad or not steps:
