@@ -6,7 +6,11 @@ a step's tags compiled; nothing is compiled here) and, per step:
 1. fits ``bytes(S) = c + a x kept(S) + b x read(S) + one effect per saved tag`` by least
    squares over every compiled save set, and prints the spread (standard deviation) and
    the largest of what is left, as a share of full remat's bytes: XLA's packing of that
-   particular set, which no model of tags alone can learn;
+   particular set, which no model of tags alone can learn. Beside it, what two richer
+   shapes leave, fitted to every set (so with more freedom than `fit` ever has): one
+   effect per pair of tags more, and the largest of `REGIMES` such additive models (a
+   program's peak is the largest of the live bytes at each of its points, and saving a tag
+   can move the peak to another point);
 2. at each swept size where `fit` (from ``OUT/fit_sweep.json``) is more than 2 points from
    the best compiled set that fits, the sets that would have been within 2 points, each
    predicted from every *other* compiled set (the same least squares, that set left out),
@@ -31,6 +35,47 @@ import _common as C  # noqa: E402
 
 NAME = "packing"
 MiB = 1 << 20
+
+
+REGIMES = (2, 3)
+"""The numbers of additive models whose largest is fitted (`max_of_linear`)."""
+
+
+def pairwise(a: Any, tags: Sequence[str]) -> Any:
+    """`a` (`_design`'s columns, the tags last) with one column per pair of tags."""
+    import numpy as np  # noqa: PLC0415
+
+    x = a[:, a.shape[1] - len(tags):]
+    pairs = [x[:, i] * x[:, j] for i in range(len(tags)) for j in range(i + 1, len(tags))]
+    return np.column_stack([a, *pairs]) if pairs else a
+
+
+def max_of_linear(a: Any, y: Any, k: int, trials: int = 30, seed: int = 0) -> Any:
+    """What is left of `y` by the largest of `k` least-squares fits over the columns of
+    `a`: each set is given to the fit that predicts it highest, each fit refitted on its
+    sets, until nothing moves (a local optimum; the best of `trials` random starts). A fit
+    left with fewer sets than columns restarts from the one fit over all, perturbed."""
+    import numpy as np  # noqa: PLC0415
+
+    rng = np.random.default_rng(seed)
+    whole = np.linalg.lstsq(a, y, rcond=None)[0]
+    jitter = float(y.std()) or 1.0
+    best = None
+    for _ in range(trials):
+        owner = rng.integers(0, k, len(y))
+        for _ in range(100):
+            coefs = [np.linalg.lstsq(a[owner == i], y[owner == i], rcond=None)[0]
+                     if (owner == i).sum() >= a.shape[1]
+                     else whole + rng.normal(0, jitter, a.shape[1]) for i in range(k)]
+            pred = np.stack([a @ c for c in coefs], 1)
+            moved = pred.argmax(1)
+            if (moved == owner).all():
+                break
+            owner = moved
+        left = y - pred.max(1)
+        if best is None or left.std() < best.std():
+            best = left
+    return best
 
 
 def _design(cands: Sequence[Any], tags: Sequence[str]) -> Any:
@@ -67,6 +112,13 @@ def step_report(name: str, spec: Any, out: Path, sweep: dict[str, Any] | None) -
                               "spread_share": float(left.std() / full),
                               "largest_share": float(np.abs(left).max() / full),
                               "misses": []}
+    shapes = {"pairs": y - pairwise(a, pool) @ np.linalg.lstsq(pairwise(a, pool), y,
+                                                                rcond=None)[0]}
+    tagged = a[:, [0, *range(a.shape[1] - len(pool), a.shape[1])]]  # intercept, tags
+    shapes.update({f"max_of_{k}": max_of_linear(tagged, y, k) for k in REGIMES})
+    result["richer"] = {n: {"spread_share": float(r.std() / full),
+                            "largest_share": float(np.abs(r).max() / full)}
+                        for n, r in shapes.items()}
     rows = ((sweep or {}).get(name) or {}).get("modes", {}).get("memory_analysis", {}).get(
         "rows", [])
     per = graph.count if getattr(spec, "scan", True) else 1
@@ -118,6 +170,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         lines.append(f"{name}: {r['sets']} sets, {len(r['tags'])} tags: left by one effect "
                      f"per tag: spread {100 * r['spread_share']:.2f}%, largest "
                      f"{100 * r['largest_share']:.2f}% of full remat's bytes")
+        lines.append("  left by richer shapes (spread / largest): " + "; ".join(
+            f"{n.replace('_', ' ')}: {100 * v['spread_share']:.2f}% / "
+            f"{100 * v['largest_share']:.2f}%" for n, v in r["richer"].items()))
         for m in r["misses"]:
             lines.append(f"  fit misses by {m['gap']:.2f} pt at {m['hbm'] / MiB:.2f} MiB; "
                          "within 2 pt of the best:")

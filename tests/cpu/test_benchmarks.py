@@ -233,3 +233,34 @@ def test_gpu_fit_names_a_bad_option_in_one_line(argv, says, capsys, tmp_path):
 
     if not [d for d in jax.devices() if d.platform == "gpu"]:
         assert skipped == {"skipped": "no GPU"}
+
+
+def test_packing_richer_shapes_recover_what_they_are_made_of():
+    """benchmarks/packing.py's richer shapes, on tables built from them: bytes that are the
+    largest of two additive models (a peak that moves between two program points), and
+    bytes with one effect for a pair of tags. Each shape leaves nothing of its own table,
+    where one effect per tag leaves a spread."""
+    import itertools
+
+    import numpy as np
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import packing
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    tags = ["a", "b", "c", "d", "e"]
+    sets = [s for r in range(6) for s in itertools.combinations(tags, r)]
+    x = np.array([[1.0] + [float(t in s) for t in tags] for s in sets])
+    rng = np.random.default_rng(1)
+    one, two = rng.uniform(0, 4, 6) * 2**20, rng.uniform(0, 4, 6) * 2**20
+    two[0] = one[0] - 3 * 2**20  # the second point wins only where its tags add enough
+    peak = np.maximum(x @ one, x @ two)
+    additive = peak - x @ np.linalg.lstsq(x, peak, rcond=None)[0]
+    assert additive.std() > 0.05 * 2**20
+    assert np.abs(packing.max_of_linear(x, peak, 2)).max() < 1.0  # bytes
+    paired = x @ one + 2**20 * x[:, 1] * x[:, 3]  # a and c together: 1 MiB more
+    assert np.abs(paired - x @ np.linalg.lstsq(x, paired, rcond=None)[0]).max() > 2**18
+    wide = packing.pairwise(x, tags)
+    assert wide.shape[1] == 6 + 10
+    assert np.abs(paired - wide @ np.linalg.lstsq(wide, paired, rcond=None)[0]).max() < 1.0
