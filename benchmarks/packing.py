@@ -112,8 +112,8 @@ def step_report(name: str, spec: Any, out: Path, sweep: dict[str, Any] | None) -
                               "spread_share": float(left.std() / full),
                               "largest_share": float(np.abs(left).max() / full),
                               "misses": []}
-    shapes = {"pairs": y - pairwise(a, pool) @ np.linalg.lstsq(pairwise(a, pool), y,
-                                                                rcond=None)[0]}
+    wide = pairwise(a, pool)
+    shapes = {"pairs": y - wide @ np.linalg.lstsq(wide, y, rcond=None)[0]}
     tagged = a[:, [0, *range(a.shape[1] - len(pool), a.shape[1])]]  # intercept, tags
     shapes.update({f"max_of_{k}": max_of_linear(tagged, y, k) for k in REGIMES})
     result["richer"] = {n: {"spread_share": float(r.std() / full),
