@@ -42,7 +42,6 @@ import json
 import os
 import subprocess
 import sys
-import statistics
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -161,14 +160,13 @@ def work_time(spec: Any, sets: Sequence[Sequence[str] | None], iters: int) -> li
     out = []
     for saved in sets:
         exe = spec.make_step()(_policy(saved)).lower(*spec.abstract_args()).compile()
-        state, tokens = _arrays(spec)
-        times = []
-        for _ in range(iters + 2):  # two warm-up steps
-            t = time.perf_counter()
-            state, loss = exe(state, tokens)
-            jax.block_until_ready((state, loss))
-            times.append(time.perf_counter() - t)
-        out.append(statistics.median(times[2:]))
+        held = list(_arrays(spec))  # [state, tokens]: the step donates the state
+
+        def step() -> None:
+            held[0], loss = exe(*held)  # noqa: B023 - called within this iteration
+            jax.block_until_ready((held[0], loss))
+
+        out.append(C.median_time(step, iters, warmup=2))
     return out
 
 
@@ -251,11 +249,10 @@ def measure(args: Any, say: Any) -> dict[str, Any]:
         say(f"  {s} at {hbm / MiB:.1f} MiB: "
             + (f.get("error") or f"{f['outcome']} {f.get('saved')} ({f['seconds']:.0f} s)"))
         out[s]["plans"].append(f)
-    planned = [f for s in steps for f in out[s]["plans"] if f.get("outcome") == "plan"]
-    owner = [s for s in steps for f in out[s]["plans"] if f.get("outcome") == "plan"]
+    planned = [(s, f) for s in steps for f in out[s]["plans"] if f.get("outcome") == "plan"]
     # peaks: a fresh process per plan (each its own allocator), several at once
-    for s, f, r in zip(owner, planned, pool.map(
-            lambda sf: _call("peak", sf[0], args, sf[1]["saved"]), zip(owner, planned))):
+    for (_, f), r in zip(planned, pool.map(
+            lambda sf: _call("peak", sf[0], args, sf[1]["saved"]), planned)):
         f["run"] = r
     _time(out, steps, args, t_end, say)
     return {"batch_scale": args.batch_scale, "width_scale": args.width_scale,

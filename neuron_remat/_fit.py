@@ -593,6 +593,11 @@ class _Search:
     def used(self) -> int:
         return len(self.order)
 
+    @property
+    def _every(self) -> _Candidate | None:
+        """The least-recompute save set (every useful tag saved)."""
+        return next((c for c in self.candidates if c.saved is not None), None)
+
     def _measure(self, c: _Candidate) -> _Compiled:
         predicted = self.predict(c) if self.model is not None and not self.oracle else None
         got = self.measure(c, predicted)
@@ -727,7 +732,7 @@ class _Search:
                      f"not fit (at most {self.max_compiles + self.stretch} compiles)")
             return self._rescue()
         # the least-recompute save set (every useful tag): the model's second point
-        every = next((c for c in self.candidates if c.saved is not None), None)
+        every = self._every
         if every is not None and every.saved and self.used < self.max_compiles:
             got = self._measure(every)
             if got.bytes is None:  # the backend stopped reporting: the compile decides
@@ -920,7 +925,7 @@ class _Search:
         compiles to about the same bytes, so the least-recompute one (every tag) is as
         likely to fit as any; compile it when it was not and the budget allows (as the
         search with memory figures compiles it first), then the best that fit."""
-        every = next((c for c in self.candidates if c.saved is not None), None)
+        every = self._every
         if every is not None and every.saved not in self.compiled \
                 and self.used < self.max_compiles:
             self._measure(every)
@@ -943,7 +948,7 @@ class _Search:
             self.model = _Model(float(self.compiled[()].fixed or 0), 1.0, 1.0)
         total = self.max_compiles + self.stretch
         full = self._by[()]
-        every = next((c for c in self.candidates if c.saved is not None), None)
+        every = self._every
         if every is not None and every.saved and self.used < total:
             got = self._measure(every)
             if got.bytes is None and not got.oom:  # no figures: the compile is the oracle

@@ -337,16 +337,22 @@ def test_oracle_reads_a_set_that_compiled_as_at_most_the_limit():
     assert len(calls) <= F._oracle_cap(len(F._frontier(cands)))
 
 
+def _flat_table():
+    """Six tags' sets, each compiling to 60 MiB +- 0.5 MiB whatever it keeps (an unrolled
+    stack on XLA:CPU), full remat to 59 MiB; the limit 59.5 MiB."""
+    cands, _ = _synthetic(6, seed=2, noise=0.0)
+    rng = random.Random(2)
+    table = {c.saved: 60 * MiB + int(rng.uniform(-0.5, 0.5) * MiB) for c in cands}
+    table[()] = 60 * MiB - MiB  # full remat fits
+    return cands, table, 60 * MiB - MiB // 2
+
+
 def test_oracle_notices_memory_that_does_not_follow_the_kept_bytes():
     """An unrolled stack on XLA:CPU, as a table: every set compiles to about the same bytes
     whatever it keeps. With the compile as the oracle, two out-of-memory figures that
     barely differ while their kept bytes differ by many MiB are noticed, and the plan is a
     compiled set that fits."""
-    cands, _ = _synthetic(6, seed=2, noise=0.0)
-    rng = random.Random(2)
-    table = {c.saved: 60 * MiB + int(rng.uniform(-0.5, 0.5) * MiB) for c in cands}
-    table[()] = 60 * MiB - MiB  # full remat fits
-    limit = 60 * MiB - MiB // 2
+    cands, table, limit = _flat_table()
     got, s, calls = _run(cands, table, limit, oracle=True, figures=True)
     assert s.oracle and "does not follow" in s.noticed
     assert got is not None and table[got.saved] <= limit and got.saved in calls
@@ -361,11 +367,7 @@ def test_oracle_on_flat_memory_tries_the_least_recompute_save_set():
     better. Here: the same flat table, the every-tag set just under the limit; once the
     figures say memory is flat, that set is as likely to fit as any and is compiled
     (within the oracle's cap) before the search stops."""
-    cands, _ = _synthetic(6, seed=2, noise=0.0)
-    rng = random.Random(2)
-    table = {c.saved: 60 * MiB + int(rng.uniform(-0.5, 0.5) * MiB) for c in cands}
-    table[()] = 60 * MiB - MiB  # full remat fits
-    limit = 60 * MiB - MiB // 2
+    cands, table, limit = _flat_table()
     every = next(c for c in cands if c.saved is not None)
     table[every.saved] = limit - 64 * 1024
     got, s, calls = _run(cands, table, limit, oracle=True, figures=True)
