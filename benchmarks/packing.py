@@ -18,6 +18,10 @@ a step's tags compiled; nothing is compiled here) and, per step:
    models; that set left out), and at how many such sizes some such set is predicted
    within the limit.
 
+3. how well one effect per tag, and one per pair, fitted to 6, 12 or 24 compiled sets
+   (`learning_curve`), predict the others: what a search with that many compiles could
+   learn of each shape.
+
 A set that even every other compile predicts over the limit can only be found by luck or
 by compiling most sets; `fit` has at most a handful of compiles to learn a shape from.
 """
@@ -106,6 +110,41 @@ def predicted_from_the_others(shape: str, a: Any, y: Any, i: int) -> float:
     return float(a[i] @ np.linalg.lstsq(a[keep], y[keep], rcond=None)[0])
 
 
+LEARN_FROM = (6, 12, 24)
+"""The numbers of compiled sets each shape is fitted to in `learning_curve`."""
+DRAWS = 20
+"""Random draws of those sets per number."""
+
+
+def learning_curve(designs: dict[str, Any], y: Any, always: Sequence[int], full: float,
+                   seed: int = 0) -> dict[str, dict[int, float]]:
+    """How well each shape predicts the sets it was not fitted to, from few compiles: for
+    each n in `LEARN_FROM` below the table's size, `DRAWS` times, fit each design to the
+    rows in `always` (full remat and every tag, which `fit` compiles first) and n - 2 more
+    drawn at random, and take the root-mean-square error on the other rows as a share of
+    `full`; the median over the draws. Least squares (the least-norm solution where the
+    rows are fewer than the coefficients). (The largest of K additive models is left out:
+    from a few sets its fit is a local optimum that moves with the draw.)"""
+    import numpy as np  # noqa: PLC0415
+
+    rng = np.random.default_rng(seed)
+    rest = [i for i in range(len(y)) if i not in always]
+    out: dict[str, dict[int, float]] = {shape: {} for shape in designs}
+    for n in LEARN_FROM:
+        if n >= len(y) - 2:
+            continue
+        errs: dict[str, list[float]] = {shape: [] for shape in designs}
+        for _ in range(DRAWS):
+            pick = [*always, *rng.choice(rest, n - len(always), replace=False)]
+            test = np.setdiff1d(np.arange(len(y)), pick)
+            for shape, d in designs.items():
+                pred = d[test] @ np.linalg.lstsq(d[pick], y[pick], rcond=None)[0]
+                errs[shape].append(float(np.sqrt(np.mean((pred - y[test]) ** 2))) / full)
+        for shape, e in errs.items():
+            out[shape][n] = float(np.median(e))
+    return out
+
+
 def _design(cands: Sequence[Any], tags: Sequence[str]) -> Any:
     import numpy as np  # noqa: PLC0415
 
@@ -147,6 +186,9 @@ def step_report(name: str, spec: Any, out: Path, sweep: dict[str, Any] | None) -
     result["richer"] = {n: {"spread_share": float(r.std() / full),
                             "largest_share": float(np.abs(r).max() / full)}
                         for n, r in shapes.items()}
+    full_i, every_i = next(i for i, c in enumerate(cands) if not c.saved), 0
+    result["learned"] = learning_curve(
+        {"tags": a, "pairs": wide}, y, (full_i, every_i), full)
     modes = ((sweep or {}).get(name) or {}).get("modes", {})
     per = graph.count if getattr(spec, "scan", True) else 1
     base, f0 = graph.no_remat_flops, brute.get(None)["flops"]
@@ -207,6 +249,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         lines.append("  left by richer shapes (spread / largest): " + "; ".join(
             f"{n.replace('_', ' ')}: {100 * v['spread_share']:.2f}% / "
             f"{100 * v['largest_share']:.2f}%" for n, v in r["richer"].items()))
+        lines.append("  learned from n compiles, error on the other sets (RMS, median of "
+                     f"{DRAWS} draws): " + "; ".join(
+                         f"{shape.replace('_', ' ')} " + ", ".join(
+                             f"n={n}: {100 * v:.2f}%" for n, v in curve.items())
+                         for shape, curve in r["learned"].items() if curve))
         for m in r["misses"]:
             lines.append(f"  {m['mode']}: fit misses by {m['gap']:.2f} pt at "
                          f"{m['hbm'] / MiB:.2f} MiB; within 2 pt of the best, compiled and "

@@ -291,3 +291,29 @@ def test_packing_predicts_a_left_out_set_from_the_others_only():
         for shape, design in designs.items():
             got = packing.predicted_from_the_others(shape, design, y, i)
             assert abs(got - additive[i]) < 1.0, (shape, i, got - additive[i])
+
+
+def test_packing_learning_curve_tells_a_shape_that_fits_from_one_that_does_not():
+    """benchmarks/packing.py's learning curve on a table with one effect for a pair of tags
+    (a and c together: 1 MiB more): from 24 compiled sets one effect per pair predicts the
+    other sets exactly, where one effect per tag is off by about its spread over the whole
+    table (computed here directly)."""
+    import itertools
+
+    import numpy as np
+
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import packing
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    tags = ["a", "b", "c", "d", "e"]
+    sets = [s for r in range(6) for s in itertools.combinations(tags, r)]
+    x = np.array([[1.0] + [float(t in s) for t in tags] for s in sets])
+    paired = x @ (np.random.default_rng(1).uniform(0, 4, 6) * 2**20) + 2**20 * x[:, 1] * x[:, 3]
+    curve = packing.learning_curve({"tags": x, "pairs": packing.pairwise(x, tags)}, paired,
+                                   (0, len(sets) - 1), 2**20)
+    assert set(curve["pairs"]) == {6, 12, 24}
+    assert curve["pairs"][24] < 1e-9
+    additive_left = paired - x @ np.linalg.lstsq(x, paired, rcond=None)[0]
+    assert curve["tags"][24] > 0.5 * additive_left.std() / 2**20
