@@ -154,9 +154,8 @@ def _design(cands: Sequence[Any], tags: Sequence[str]) -> Any:
 
 
 def step_report(name: str, spec: Any, out: Path, sweep: dict[str, Any] | None) -> dict[str, Any]:
+    """The report for one zoo step, from `fit_sweep.py`'s cached brute force and sweep."""
     import importlib  # noqa: PLC0415
-
-    import numpy as np  # noqa: PLC0415
 
     import fit_sweep as S  # noqa: PLC0415
 
@@ -169,12 +168,54 @@ def step_report(name: str, spec: Any, out: Path, sweep: dict[str, Any] | None) -
         return {"skipped": "no complete brute force cached"}
     pool = pool[:k]
     brute = S.Brute(spec, pool, brute.path)
+    modes = ((sweep or {}).get(name) or {}).get("modes", {})
+    per = graph.count if getattr(spec, "scan", True) else 1
+    return analyse(graph, pool, lambda saved: brute.get(saved), modes, per)
+
+
+def maxtext_report(out: Path) -> dict[str, Any]:
+    """`step_report` for MaxText's real step, from `maxtext_fit.py`'s JSON (its brute force
+    and both sweeps); run with the MaxText environment's python (.ci/maxtext_env.sh)."""
+    import importlib  # noqa: PLC0415
+
+    sys.path.insert(0, str(C.REPO / "tests" / "cpu"))
+    import fit_sweep as S  # noqa: PLC0415
+    import maxtext_zoo as mz  # noqa: PLC0415
+
+    why = mz.available()
+    if why is not None:
+        raise SystemExit(f"packing: --maxtext: {why}; build the environment with "
+                         ".ci/maxtext_env.sh and run this script with its python")
+    path = out / "maxtext_fit.json"
+    if not path.exists():
+        raise SystemExit(f"packing: --maxtext: no {path}; run benchmarks/maxtext_fit.py "
+                         "with the same --out first")
+    F = importlib.import_module("neuron_remat._fit")
+    name, spec = next(iter(mz.STEPS.items()))
+    step = json.loads(path.read_text())["steps"][name]
+    graph = F.step_graph(spec.make_step(), *spec.abstract_args())
+    sets = step["sets"]
+    return analyse(graph, step["tags"],
+                   lambda saved: sets[S._key(saved)],
+                   step["modes"], graph.count)
+
+
+def analyse(graph: Any, pool: Sequence[str], row_of: Any, modes: dict[str, Any], per: int
+            ) -> dict[str, Any]:
+    """The report for one step: `row_of(saved)` is a compiled set's brute-force row (bytes,
+    flops; None: no remat), `modes` the sweep's rows by mode, `per` the layers a FLOP
+    difference stands for (a scan's body is counted once)."""
+    import importlib  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+
+    F = importlib.import_module("neuron_remat._fit")
     cands = [c for c in F._candidates(graph, pool) if c.saved is not None]
-    y = np.array([brute.get(c.saved)["bytes"] for c in cands], float)
+    y = np.array([row_of(c.saved)["bytes"] for c in cands], float)
     a = _design(cands, pool)
     coef, *_ = np.linalg.lstsq(a, y, rcond=None)
     left = y - a @ coef
-    full = float(brute.get(())["bytes"])
+    full = float(row_of(())["bytes"])
     result: dict[str, Any] = {"tags": list(pool), "sets": len(cands),
                               "spread_share": float(left.std() / full),
                               "largest_share": float(np.abs(left).max() / full),
@@ -189,10 +230,8 @@ def step_report(name: str, spec: Any, out: Path, sweep: dict[str, Any] | None) -
     full_i, every_i = next(i for i, c in enumerate(cands) if not c.saved), 0
     result["learned"] = learning_curve(
         {"tags": a, "pairs": wide}, y, (full_i, every_i), full)
-    modes = ((sweep or {}).get(name) or {}).get("modes", {})
-    per = graph.count if getattr(spec, "scan", True) else 1
-    base, f0 = graph.no_remat_flops, brute.get(None)["flops"]
-    points = {c.saved: 100 * per * (brute.get(c.saved)["flops"] - f0) / base for c in cands}
+    base, f0 = graph.no_remat_flops, row_of(None)["flops"]
+    points = {c.saved: 100 * per * (row_of(c.saved)["flops"] - f0) / base for c in cands}
     designs = {"tags": a, "pairs": wide, f"max_of_{REGIMES[-1]}": tagged}
     memo: dict[tuple[str, int], float] = {}
     for mode in ("memory_analysis", "oracle"):
@@ -200,7 +239,7 @@ def step_report(name: str, spec: Any, out: Path, sweep: dict[str, Any] | None) -
             if (row.get("gap") or 0.0) <= 0.02:
                 continue
             limit = row["hbm"]
-            fitting = [c for c in cands if brute.get(c.saved)["bytes"] <= limit]
+            fitting = [c for c in cands if row_of(c.saved)["bytes"] <= limit]
             best = min(points[c.saved] for c in fitting)
             near = []
             for c in (c for c in fitting if points[c.saved] <= best + 2):
@@ -224,21 +263,28 @@ def step_report(name: str, spec: Any, out: Path, sweep: dict[str, Any] | None) -
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = C.parser(__doc__.splitlines()[0], NAME)
     p.add_argument("--steps", default=None, help="comma-separated zoo steps (default all)")
+    p.add_argument("--maxtext", action="store_true",
+                   help="MaxText's real step instead of the zoo, from OUT/maxtext_fit.json "
+                        "(the MaxText environment's python)")
     args = p.parse_args(argv)
     say = C.Printer(args.quiet)
     import fit_sweep as S  # noqa: PLC0415
 
     zoo = S._zoo()
-    names = list(zoo.ZOO) if args.steps is None else args.steps.split(",")
+    names = ["maxtext-llama2"] if args.maxtext else (
+        list(zoo.ZOO) if args.steps is None else args.steps.split(","))
     path = args.out / "fit_sweep.json"
     sweep = json.loads(path.read_text())["steps"] if path.exists() else None
     result: dict[str, Any] = {"steps": {}}
     lines = []
     for name in names:
-        if name not in zoo.ZOO:
+        if args.maxtext:
+            r = maxtext_report(args.out)
+        elif name not in zoo.ZOO:
             raise SystemExit(f"packing: --steps {name}: no such step; known: "
                              f"{', '.join(zoo.ZOO)}")
-        r = step_report(name, zoo.ZOO[name], args.out, sweep)
+        else:
+            r = step_report(name, zoo.ZOO[name], args.out, sweep)
         result["steps"][name] = r
         if "skipped" in r:
             lines.append(f"{name}: skipped ({r['skipped']})")
@@ -269,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                          "is predicted within the limit from every other set by: " + ", ".join(
                              f"{shape.replace('_', ' ')} at {k}"
                              for shape, k in r["misses_found_by"].items()))
-    if sweep is None:
+    if sweep is None and not args.maxtext:
         lines.append(f"(no {path}: run benchmarks/fit_sweep.py first for the misses)")
     return C.finish(args, NAME, result, "\n".join(lines), say)
 

@@ -317,3 +317,20 @@ def test_packing_learning_curve_tells_a_shape_that_fits_from_one_that_does_not()
     assert curve["pairs"][24] < 1e-9
     additive_left = paired - x @ np.linalg.lstsq(x, paired, rcond=None)[0]
     assert curve["tags"][24] > 0.5 * additive_left.std() / 2**20
+
+
+def test_packing_maxtext_without_its_inputs_says_so_in_one_line(tmp_path):
+    """benchmarks/packing.py --maxtext where MaxText is not importable (this Python), or
+    where maxtext_fit.py has not written its JSON in --out: one line naming what is
+    missing and how to get it, no traceback."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import packing
+
+        with pytest.raises(SystemExit) as exit_:
+            packing.main(["--maxtext", "--quiet", "--out", str(tmp_path)])
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    message = str(exit_.value.code)
+    assert message.startswith("packing: --maxtext: ") and "\n" not in message, message
+    assert ".ci/maxtext_env.sh" in message or "maxtext_fit.py" in message, message
