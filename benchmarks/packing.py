@@ -16,8 +16,7 @@ a step's tags compiled; nothing is compiled here) and, per step:
    fits, the sets that would have been within 2 points, each predicted from every *other*
    compiled set by each shape (one effect per tag, per pair, the largest of 3 additive
    models; that set left out), and at how many such sizes some such set is predicted
-   within the limit.
-
+   within the limit;
 3. how well one effect per tag, and one per pair, fitted to 6, 12 or 24 compiled sets
    (`learning_curve`), predict the others: what a search with that many compiles could
    learn of each shape.
@@ -170,12 +169,13 @@ def step_report(name: str, spec: Any, out: Path, sweep: dict[str, Any] | None) -
     brute = S.Brute(spec, pool, brute.path)
     modes = ((sweep or {}).get(name) or {}).get("modes", {})
     per = graph.count if getattr(spec, "scan", True) else 1
-    return analyse(graph, pool, lambda saved: brute.get(saved), modes, per)
+    return analyse(graph, pool, brute.get, modes, per)
 
 
-def maxtext_report(out: Path) -> dict[str, Any]:
-    """`step_report` for MaxText's real step, from `maxtext_fit.py`'s JSON (its brute force
-    and both sweeps); run with the MaxText environment's python (.ci/maxtext_env.sh)."""
+def maxtext_report(out: Path) -> tuple[str, dict[str, Any]]:
+    """`step_report` for MaxText's real step (its name, its report), from `maxtext_fit.py`'s
+    JSON (its brute force and both sweeps); run with the MaxText environment's python
+    (.ci/maxtext_env.sh)."""
     import importlib  # noqa: PLC0415
 
     sys.path.insert(0, str(C.REPO / "tests" / "cpu"))
@@ -195,9 +195,8 @@ def maxtext_report(out: Path) -> dict[str, Any]:
     step = json.loads(path.read_text())["steps"][name]
     graph = F.step_graph(spec.make_step(), *spec.abstract_args())
     sets = step["sets"]
-    return analyse(graph, step["tags"],
-                   lambda saved: sets[S._key(saved)],
-                   step["modes"], graph.count)
+    return name, analyse(graph, step["tags"], lambda saved: sets[S._key(saved)],
+                         step["modes"], graph.count)
 
 
 def analyse(graph: Any, pool: Sequence[str], row_of: Any, modes: dict[str, Any], per: int
@@ -227,6 +226,7 @@ def analyse(graph: Any, pool: Sequence[str], row_of: Any, modes: dict[str, Any],
     result["richer"] = {n: {"spread_share": float(r.std() / full),
                             "largest_share": float(np.abs(r).max() / full)}
                         for n, r in shapes.items()}
+    # the candidates come least recompute first: every tag saved, then the others
     full_i, every_i = next(i for i, c in enumerate(cands) if not c.saved), 0
     result["learned"] = learning_curve(
         {"tags": a, "pairs": wide}, y, (full_i, every_i), full)
@@ -267,24 +267,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    help="MaxText's real step instead of the zoo, from OUT/maxtext_fit.json "
                         "(the MaxText environment's python)")
     args = p.parse_args(argv)
+    if args.maxtext and args.steps is not None:
+        p.error(f"--steps {args.steps} with --maxtext: the zoo's steps or MaxText's, not both")
     say = C.Printer(args.quiet)
     import fit_sweep as S  # noqa: PLC0415
 
     zoo = S._zoo()
-    names = ["maxtext-llama2"] if args.maxtext else (
-        list(zoo.ZOO) if args.steps is None else args.steps.split(","))
-    path = args.out / "fit_sweep.json"
-    sweep = json.loads(path.read_text())["steps"] if path.exists() else None
-    result: dict[str, Any] = {"steps": {}}
-    lines = []
+    names = list(zoo.ZOO) if args.steps is None else args.steps.split(",")
     for name in names:
-        if args.maxtext:
-            r = maxtext_report(args.out)
-        elif name not in zoo.ZOO:
+        if name not in zoo.ZOO:
             raise SystemExit(f"packing: --steps {name}: no such step; known: "
                              f"{', '.join(zoo.ZOO)}")
-        else:
-            r = step_report(name, zoo.ZOO[name], args.out, sweep)
+    path = args.out / "fit_sweep.json"
+    sweep = json.loads(path.read_text())["steps"] if path.exists() else None
+    reports = iter([maxtext_report(args.out)] if args.maxtext else (
+        (name, step_report(name, zoo.ZOO[name], args.out, sweep)) for name in names))
+    result: dict[str, Any] = {"steps": {}}
+    lines = []
+    for name, r in reports:
         result["steps"][name] = r
         if "skipped" in r:
             lines.append(f"{name}: skipped ({r['skipped']})")
