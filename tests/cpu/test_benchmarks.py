@@ -5,6 +5,8 @@ then read each script's JSON. Nothing here asserts a timing: timings are printed
 scripts, and only their presence and sign are checked.
 """
 
+import contextlib
+import itertools
 import json
 import math
 import sys
@@ -19,16 +21,34 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module")
-def out(tmp_path_factory):
+@contextlib.contextmanager
+def benchmarks_on_path():
+    """benchmarks/ on sys.path for the block: its scripts import each other by name, some
+    lazily (inside main)."""
     sys.path.insert(0, str(BENCHMARKS))
     try:
+        yield
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def five_tags():
+    """Tags a-e, and every subset of them as rows of [1, one 0/1 column per tag]: full
+    remat first, every tag last."""
+    import numpy as np
+
+    tags = ["a", "b", "c", "d", "e"]
+    sets = [s for r in range(6) for s in itertools.combinations(tags, r)]
+    return tags, np.array([[1.0] + [float(t in s) for t in tags] for s in sets])
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    with benchmarks_on_path():
         import run_all
 
         folder = tmp_path_factory.mktemp("bench")
         run_all.main(["--small", "--quiet", "--out", str(folder)])
-    finally:
-        sys.path.remove(str(BENCHMARKS))
     return folder
 
 
@@ -186,11 +206,8 @@ def test_gpu_script_skips_cleanly_without_a_gpu(out):
 
 
 def test_run_all_counts_a_missing_comparison_as_a_failure():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
+    with benchmarks_on_path():
         import run_all
-    finally:
-        sys.path.remove(str(BENCHMARKS))
     entry = {"budget_bytes": 1, "planner": {"overhead": 0.1}, "optimum": {"overhead": 0.1},
              "best_hand_written": None, "planner_minus_optimum": 0.0}
     frontier = {"tie": 1e-6, "budgets": [entry], "fused": {"against_regexes": [
@@ -218,11 +235,8 @@ def test_run_all_counts_a_missing_comparison_as_a_failure():
 def test_gpu_fit_names_a_bad_option_in_one_line(argv, says, capsys, tmp_path):
     """benchmarks/gpu_fit.py: bad options end in argparse's one-line error (exit 2), before
     JAX looks for a GPU; with none here it skips (status 0) instead of measuring."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
+    with benchmarks_on_path():
         import gpu_fit
-    finally:
-        sys.path.remove(str(BENCHMARKS))
     with pytest.raises(SystemExit) as exit_:
         gpu_fit.main([*argv, "--out", str(tmp_path)])
     assert exit_.value.code == 2
@@ -240,18 +254,11 @@ def test_packing_richer_shapes_recover_what_they_are_made_of():
     largest of two additive models (a peak that moves between two program points), and
     bytes with one effect for a pair of tags. Each shape leaves nothing of its own table,
     where one effect per tag leaves a spread."""
-    import itertools
-
     import numpy as np
 
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
+    with benchmarks_on_path():
         import packing
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    tags = ["a", "b", "c", "d", "e"]
-    sets = [s for r in range(6) for s in itertools.combinations(tags, r)]
-    x = np.array([[1.0] + [float(t in s) for t in tags] for s in sets])
+    tags, x = five_tags()
     rng = np.random.default_rng(1)
     one, two = rng.uniform(0, 4, 6) * 2**20, rng.uniform(0, 4, 6) * 2**20
     two[0] = one[0] - 3 * 2**20  # the second point wins only where its tags add enough
@@ -271,18 +278,11 @@ def test_packing_predicts_a_left_out_set_from_the_others_only():
     set's figure is moved by 1 MiB: every shape, fitted to the other sets, predicts the
     table's own value there (independent arithmetic), so the set's moved figure never
     reaches its prediction."""
-    import itertools
-
     import numpy as np
 
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
+    with benchmarks_on_path():
         import packing
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    tags = ["a", "b", "c", "d", "e"]
-    sets = [s for r in range(6) for s in itertools.combinations(tags, r)]
-    x = np.array([[1.0] + [float(t in s) for t in tags] for s in sets])
+    tags, x = five_tags()
     additive = x @ (np.random.default_rng(2).uniform(0, 4, 6) * 2**20)
     designs = {"tags": x, "pairs": packing.pairwise(x, tags), "max_of_2": x, "max_of_3": x}
     for i in (0, 7, 31):
@@ -298,21 +298,14 @@ def test_packing_learning_curve_tells_a_shape_that_fits_from_one_that_does_not()
     (a and c together: 1 MiB more): from 24 compiled sets one effect per pair predicts the
     other sets exactly, where one effect per tag is off by about its spread over the whole
     table (computed here directly)."""
-    import itertools
-
     import numpy as np
 
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
+    with benchmarks_on_path():
         import packing
-    finally:
-        sys.path.remove(str(BENCHMARKS))
-    tags = ["a", "b", "c", "d", "e"]
-    sets = [s for r in range(6) for s in itertools.combinations(tags, r)]
-    x = np.array([[1.0] + [float(t in s) for t in tags] for s in sets])
+    tags, x = five_tags()
     paired = x @ (np.random.default_rng(1).uniform(0, 4, 6) * 2**20) + 2**20 * x[:, 1] * x[:, 3]
     curve = packing.learning_curve({"tags": x, "pairs": packing.pairwise(x, tags)}, paired,
-                                   (0, len(sets) - 1), 2**20)
+                                   (0, len(x) - 1), 2**20)
     assert set(curve["pairs"]) == {6, 12, 24}
     assert curve["pairs"][24] < 1e-9
     additive_left = paired - x @ np.linalg.lstsq(x, paired, rcond=None)[0]
@@ -323,14 +316,10 @@ def test_packing_maxtext_without_its_inputs_says_so_in_one_line(tmp_path):
     """benchmarks/packing.py --maxtext where MaxText is not importable (this Python), or
     where maxtext_fit.py has not written its JSON in --out: one line naming what is
     missing and how to get it, no traceback."""
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
+    with benchmarks_on_path(), pytest.raises(SystemExit) as exit_:
         import packing
 
-        with pytest.raises(SystemExit) as exit_:
-            packing.main(["--maxtext", "--quiet", "--out", str(tmp_path)])
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+        packing.main(["--maxtext", "--quiet", "--out", str(tmp_path)])
     message = str(exit_.value.code)
     assert message.startswith("packing: --maxtext: ") and "\n" not in message, message
     assert ".ci/maxtext_env.sh" in message or "maxtext_fit.py" in message, message
