@@ -241,6 +241,8 @@ def analyse(graph: Any, pool: Sequence[str], row_of: Any, modes: dict[str, Any],
             limit = row["hbm"]
             fitting = [c for c in cands if row_of(c.saved)["bytes"] <= limit]
             best = min(points[c.saved] for c in fitting)
+            margin = limit - min(row_of(c.saved)["bytes"] for c in fitting
+                                 if points[c.saved] == best)
             near = []
             for c in (c for c in fitting if points[c.saved] <= best + 2):
                 i = cands.index(c)
@@ -252,7 +254,7 @@ def analyse(graph: Any, pool: Sequence[str], row_of: Any, modes: dict[str, Any],
                              "predicted_from_the_others": {
                                  shape: memo[shape, i] for shape in designs}})
             result["misses"].append({"mode": mode, "hbm": limit, "gap": 100 * row["gap"],
-                                     "within_2": near})
+                                     "best_margin_share": margin / full, "within_2": near})
     result["misses_found_by"] = {
         shape: sum(any(n["predicted_from_the_others"][shape] <= m["hbm"]
                        for n in m["within_2"]) for m in result["misses"])
@@ -302,8 +304,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                          for shape, curve in r["learned"].items() if curve))
         for m in r["misses"]:
             lines.append(f"  {m['mode']}: fit misses by {m['gap']:.2f} pt at "
-                         f"{m['hbm'] / MiB:.2f} MiB; within 2 pt of the best, compiled and "
-                         "as each shape fitted to every other set predicts it (MiB):")
+                         f"{m['hbm'] / MiB:.2f} MiB (the best set fits by "
+                         f"{100 * m['best_margin_share']:.2f}% of full remat's bytes); within "
+                         "2 pt of the best, compiled and as each shape fitted to every other "
+                         "set predicts it (MiB):")
             for n in m["within_2"]:
                 lines.append(f"    {','.join(n['saved'])} ({n['points']:.2f}%): "
                              f"{n['compiled'] / MiB:.3f}; " + ", ".join(
