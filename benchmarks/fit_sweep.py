@@ -24,11 +24,14 @@ For each step:
    count), refusals while some set fits, and the compiles; then the issue's "done when"
    figures, checked.
 
-``--small``: two steps, three tags, ten sizes.
+``--small``: two steps, three tags, ten sizes. ``--max-compiles N``: `fit` gets that budget
+instead of its own (its ``max_compiles=``), to tell a miss the budget causes from one its
+model causes (the search stops with compiles left: the best set is not plausible to it).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import itertools
 import json
@@ -224,21 +227,21 @@ def _best(brute: Brute, limit: int) -> tuple[float, tuple[str, ...] | None] | No
 
 
 def sweep_step(brute: Brute, mode: str, sizes: Sequence[int], graph: Any,
-               F: Any, zoo: Any) -> list[dict[str, Any]]:
-    import neuron_remat as nr  # noqa: PLC0415
-
+               F: Any, zoo: Any, max_compiles: int | None = None) -> list[dict[str, Any]]:
+    """`fit` at each of `sizes` in `mode`, its compiles served from `brute`; with
+    `max_compiles`, that budget is fit's (``max_compiles=``) instead of its own."""
     counter = [0]
     make = cached_make_step(brute, counter)
     real_step_graph = F.step_graph
     F.step_graph = lambda make_step, *args: graph  # traced once per step, not per size
     try:
-        return _sweep(brute, mode, sizes, graph, zoo, counter, make)
+        return _sweep(brute, mode, sizes, graph, zoo, counter, make, max_compiles)
     finally:
         F.step_graph = real_step_graph
 
 
 def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
-           counter: list[int], make: Any) -> list[dict[str, Any]]:
+           counter: list[int], make: Any, max_compiles: int | None) -> list[dict[str, Any]]:
     import neuron_remat as nr  # noqa: PLC0415
 
     # XLA:CPU counts a scan body once (a FLOP difference is one layer's: times the
@@ -247,6 +250,7 @@ def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
     per = graph.count if getattr(brute.spec, "scan", True) else 1
     base = graph.no_remat_flops
     flops0 = brute.get(None)["flops"]
+    budget = {} if max_compiles is None else {"max_compiles": max_compiles}
     rows = []
     for hbm in sizes:
         counter[0] = 0
@@ -259,7 +263,7 @@ def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
                                per * (best[0] - flops0) / base}
         try:
             plan = nr.fit(ms, *brute.spec.abstract_args(), device=device, reserve=0,
-                          candidates=list(brute.tags), progress=lambda line: None)
+                          candidates=list(brute.tags), progress=lambda line: None, **budget)
         except nr.NoFitError:
             row.update(outcome="refused", compiles=counter[0], fits=None, gap=None)
         except ValueError as err:
@@ -275,6 +279,8 @@ def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
                        states_truth=(rec.flops == truth["flops"]
                                      and (not rec.measured or rec.bytes == truth["bytes"])),
                        noticed=any("does not follow" in n for n in plan.notes),
+                       stop=next((n[len("search: "):] for n in plan.notes
+                                  if n.startswith("search: ")), None),
                        overhead=per * (truth["flops"] - flops0) / base,
                        gap=None if best is None else per * (truth["flops"] - best[0]) / base)
         rows.append(row)
@@ -321,6 +327,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    help="compile nothing: sweep each step over the leading tags its cache "
                         "covers completely (a brute force cut short)")
     p.add_argument("--steps", default=None, help="comma-separated zoo steps (default all)")
+    p.add_argument("--max-compiles", type=compile_budget, default=None, metavar="N",
+                   help="give fit this compile budget (max_compiles=N, at least 3) instead "
+                        "of its own: whether a miss is the budget's or the model's (the "
+                        "'<=cap' column still counts the issue's cap)")
     p.add_argument("--steps-module", action="append", default=[], metavar="MODULE",
                    help="also sweep the steps of MODULE.STEPS (a dict name -> step with the "
                         "zoo's Spec protocol, e.g. tests.cpu.maxtext_zoo); repeatable")
@@ -343,7 +353,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     max_tags, n_sizes = (3, 10) if args.small else (MAX_TAGS, 100)
     if args.small and args.steps is None:
         names = ["gqa4-adamw", "wide-attn-mqa-adafactor"]
-    result: dict[str, Any] = {"steps": {}, "max_tags": max_tags}
+    result: dict[str, Any] = {"steps": {}, "max_tags": max_tags,
+                              "max_compiles": args.max_compiles}
     lines: list[str] = []
     for name in names:
         spec = specs[name]
@@ -372,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         sizes = _sizes(brute, n_sizes)
         n_front = len(F._frontier(F._candidates(graph, pool)))
         for mode in ("memory_analysis", "oracle"):
-            rows = sweep_step(brute, mode, sizes, graph, F, zoo)
+            rows = sweep_step(brute, mode, sizes, graph, F, zoo, args.max_compiles)
             step["modes"][mode] = {"summary": _summary(rows, n_front, mode == "oracle"),
                                    "rows": rows}
         result["steps"][name] = step
@@ -390,6 +401,40 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                     for m in st["modes"].values()) if result["steps"] else 0.0
     text = "\n".join(lines)
     return C.finish(args, NAME, result, text, say)
+
+
+def compile_budget(text: str) -> int:
+    """``--max-compiles``: an int of at least 3 (full remat, every tag, one more)."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 3:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a compile budget: give an int of "
+                                         "at least 3")
+    return n
+
+
+def stop_reasons(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Why `fit` stopped at the sizes where it missed by more than 2 points (the reason's
+    figures left out), and how often: a spent budget, or a model that found nothing
+    better plausible with compiles left."""
+    why: dict[str, int] = {}
+    for r in rows:
+        if (r.get("gap") or 0.0) > 0.02 + 1e-12:
+            reason = (r.get("stop") or "?").split(" (")[0]
+            why[reason] = why.get(reason, 0) + 1
+    return why
+
+
+def _why_misses(result: dict[str, Any], mode: str) -> list[str]:
+    out = []
+    for name, st in result["steps"].items():
+        why = stop_reasons(st["modes"][mode]["rows"])
+        if why:
+            out.append(f"  {name}: {sum(why.values())} sizes over 2 points; fit stopped: "
+                       + "; ".join(f"{k} ({v})" for k, v in why.items()))
+    return out
 
 
 def _done_when(result: dict[str, Any]) -> dict[str, Any]:
@@ -426,7 +471,9 @@ def _done_when(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def _report(result: dict[str, Any]) -> list[str]:
-    lines = []
+    lines = [] if result.get("max_compiles") is None else [
+        f"fit's budget: max_compiles={result['max_compiles']} (not its own; the <=cap column "
+        "counts the issue's cap)", ""]
     for mode in ("memory_analysis", "oracle"):
         rows = []
         for name, st in result["steps"].items():
@@ -446,6 +493,7 @@ def _report(result: dict[str, Any]) -> list[str]:
                                     "gap med", "gap p95", "gap max", "gap<=0.5",
                                     "refusals", "compiles med", "max", "cap", "<=cap",
                                     "noticed")))
+        lines += _why_misses(result, mode)
         lines.append("")
     lines.append("done when (gap in points of the no-remat step's FLOPs):")
     for key, d in result["done_when"].items():

@@ -57,6 +57,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--brute-only", action="store_true", help="fill the cache and stop")
     p.add_argument("--tags", type=int, default=MAX_TAGS,
                    help=f"tags in the brute force (default {MAX_TAGS}; --small: 3)")
+    import fit_sweep as FS  # noqa: PLC0415
+
+    p.add_argument("--max-compiles", type=FS.compile_budget, default=None, metavar="N",
+                   help="give fit this compile budget (max_compiles=N, at least 3) instead "
+                        "of its own, as fit_sweep.py's option")
     args = p.parse_args(argv)
     say = C.Printer(args.quiet)
     C.prepare_compiles()
@@ -67,14 +72,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if why is not None:
         raise SystemExit(f"maxtext_fit: {why}; build the environment with "
                          ".ci/maxtext_env.sh and run this script with its python")
-    import fit_sweep as FS  # noqa: PLC0415
     import zoo  # noqa: PLC0415
 
     F = importlib.import_module("neuron_remat._fit")
     logging.getLogger("neuron_remat.fit").setLevel(logging.ERROR)
     max_tags, n_sizes = (3, 10) if args.small else (args.tags, 100)
     result: dict[str, Any] = {"maxtext": mz.MAXTEXT_VERSION, "max_tags": max_tags,
-                              "steps": {}}
+                              "max_compiles": args.max_compiles, "steps": {}}
     lines: list[str] = []
     for name, spec in mz.STEPS.items():
         make_step, step_args = spec.make_step(), spec.abstract_args()
@@ -99,12 +103,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                      f"{full / MiB:.2f} MiB, no remat {none / MiB:.2f} MiB, smallest set "
                      f"{smallest / MiB:.2f} MiB; {len(sizes)} sizes, tags {', '.join(pool)}")
         for mode in ("memory_analysis", "oracle"):
-            rows = FS.sweep_step(brute, mode, sizes, graph, F, zoo)
+            rows = FS.sweep_step(brute, mode, sizes, graph, F, zoo, args.max_compiles)
             summary = FS._summary(rows, n_front, mode == "oracle")  # noqa: SLF001
             gaps = [r["gap"] for r in rows if r.get("gap") is not None]
             summary["gap_bins"] = _gap_bins(gaps)
             step["modes"][mode] = {"summary": summary, "rows": rows}
             lines += _report(mode, summary, rows)
+            why = FS.stop_reasons(rows)
+            if why:
+                lines.append(f"  {sum(why.values())} sizes over 2 points; fit stopped: "
+                             + "; ".join(f"{k} ({v})" for k, v in why.items()))
         result["steps"][name] = step
     return C.finish(args, NAME, result, "\n".join(lines), say)
 

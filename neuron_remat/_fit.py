@@ -50,13 +50,13 @@ high-bandwidth memory") means over (`out_of_memory`, byte figures kept), a compi
 succeeds means it fits. `fit` then compiles the top of the frontier predicted from the
 graphs (arguments + outputs - donated state + kept + recomputed reads; when it fits,
 nothing is better) and bisects the rest: at most 2 + ceil(log2(frontier - 1)) compiles
-(`_oracle_cap`), within log2(frontier) + 3. The figures of out-of-memory errors (above the
-limit) calibrate the model as memory figures do (compiles left once the bisection converges
-go to the walk on that model); a set that compiled is at most the limit, which bounds its
-tags' effects where the figures put it over; and two out-of-memory figures that differ by
-less than `FOLLOW` of their sets' kept bytes say memory does not follow the kept bytes
-(then every tag saved, as likely to fit as any set, is compiled if it was not and a
-compile is left, before the search stops).
+(`_oracle_cap`), within log2(frontier) + 3, unless the caller gave ``max_compiles``. The
+figures of out-of-memory errors (above the limit) calibrate the model as memory figures do
+(compiles left once the bisection converges go to the walk on that model); a set that
+compiled is at most the limit, which bounds its tags' effects where the figures put it
+over; and two out-of-memory figures that differ by less than `FOLLOW` of their sets' kept
+bytes say memory does not follow the kept bytes (then every tag saved, as likely to fit as
+any set, is compiled if it was not and a compile is left, before the search stops).
 
 Two steps are reported rather than planned: one whose policy changes nothing (full remat
 and every tag saved compile to the same program: `PolicyIgnoredError`), and one whose
@@ -578,7 +578,7 @@ class _Search:
     model: _Model | None = None
     sigma: float = 0.0
     oracle: bool = False
-    budget_given: bool = False  # max_compiles is the user's: the oracle keeps within it
+    budget_given: bool = False  # max_compiles is the user's: the oracle's cap gives way to it
     stop: str = ""
     noticed: str = ""
 
@@ -857,8 +857,8 @@ class _Search:
         with compiles left and such figures calibrated the model, the rest go to `_walk`:
         sets beside the predicted frontier that the figures say may fit."""
         front = _frontier(self.candidates)
-        cap = _oracle_cap(len(front))
-        self.max_compiles = min(self.max_compiles, cap) if self.budget_given else cap
+        if not self.budget_given:  # a budget the user gave is theirs, larger or smaller
+            self.max_compiles = _oracle_cap(len(front))
         self.log(f"fit: the backend reports no memory figures; the compile is the oracle. "
                  f"Bisecting a predicted frontier of {len(front)} save sets: at most "
                  f"{self.max_compiles} compiles in all")
@@ -982,7 +982,8 @@ class _Search:
                 continue
             if got.bytes is None:  # the compile is the oracle: walk on the error's figures
                 self.oracle = True
-                cap = _oracle_cap(len(_frontier(self.candidates)))
+                cap = total if self.budget_given else _oracle_cap(len(_frontier(
+                    self.candidates)))
                 if self.model is None or self.used >= cap:
                     break
                 self.max_compiles = cap
@@ -1082,7 +1083,8 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
             only the Neuron runtime's share on a full-size device: the compiled figure
             already holds the step's temporaries.
         **plan_options: ``candidates`` (tags to consider), ``max_compiles`` (default 6 up
-            to 8 tags; at least 3), ``progress`` (called with one line per compile and
+            to 8 tags, and with the compile as the oracle 2 + ceil(log2(frontier - 1));
+            at least 3), ``progress`` (called with one line per compile and
             the search's plan and end), ``band`` (the uncertainty of a prediction before
             any compile has missed, a share of full remat's bytes; 0.02), ``runner_ups``
             (how many to list; 3), ``per_layer`` (True: then a mix of save sets over the
@@ -1119,7 +1121,7 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
              f"included); at most {budget} compiles ({budget + stretch} if full remat does "
              f"not fit, or fits with less than {TIGHT:g} x the uncertainty to spare; a "
              f"backend without memory_analysis() bisects instead: at most "
-             f"{_oracle_cap(len(_frontier(cands)))})")
+             f"{budget if max_compiles else _oracle_cap(len(_frontier(cands)))})")
 
     def measure(c: _Candidate, predicted: int | None) -> _Compiled:
         label = ("full remat" if c.saved == () else NO_REMAT if c.saved is None

@@ -249,6 +249,35 @@ def test_gpu_fit_names_a_bad_option_in_one_line(argv, says, capsys, tmp_path):
         assert skipped == {"skipped": "no GPU"}
 
 
+@pytest.mark.parametrize("value", ["2", "x", "-1"])
+def test_fit_sweep_names_a_bad_budget_in_one_line(value, capsys):
+    """benchmarks/fit_sweep.py --max-compiles: argparse's one-line error (exit 2) naming the
+    value, before anything is traced."""
+    with benchmarks_on_path():
+        import fit_sweep
+    with pytest.raises(SystemExit) as exit_:
+        fit_sweep.main(["--max-compiles", value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"--max-compiles: {value!r} is not a compile budget" in err[-1], err
+
+
+def test_fit_sweep_counts_why_fit_stopped_where_it_missed_by_over_2_points():
+    """The sweep's stop reasons: only rows more than 2 points off count, by the reason
+    without its figures; a row that stated no reason counts as '?'."""
+    with benchmarks_on_path():
+        import fit_sweep
+    rows = [{"gap": 0.0, "stop": "the budget of 6 compiles is spent"},
+            {"gap": 0.02, "stop": "the budget of 6 compiles is spent"},  # exactly 2: not over
+            {"gap": 0.03, "stop": "the budget of 6 compiles is spent"},
+            {"gap": 0.05, "stop": "no set ... is plausibly within the limit (uncertainty 1 MiB)"},
+            {"gap": 0.04, "stop": "no set ... is plausibly within the limit (uncertainty 2 MiB)"},
+            {"gap": None, "outcome": "refused"}, {"gap": 0.021}]
+    assert fit_sweep.stop_reasons(rows) == {
+        "the budget of 6 compiles is spent": 1,
+        "no set ... is plausibly within the limit": 2, "?": 1}
+
+
 def test_packing_richer_shapes_recover_what_they_are_made_of():
     """benchmarks/packing.py's richer shapes, on tables built from them: bytes that are the
     largest of two additive models (a peak that moves between two program points), and

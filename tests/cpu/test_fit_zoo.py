@@ -86,6 +86,19 @@ def test_oracle_bisects_and_its_plan_fits(small):
     assert rec.compiles <= math.log2(len(front)) + 3
 
 
+def test_oracle_keeps_to_max_compiles(small):
+    """With the compile as the oracle, a ``max_compiles`` the caller gives is the budget
+    (said up front), not the bisection's own cap; the plan still fits (XLA's figure)."""
+    make_step, args, (full_bytes, _) = small
+    hbm = int(full_bytes * 1.06)
+    lines = []
+    plan = nr.fit(zoo.oracle_make_step(make_step, hbm), *args, device=_device(hbm),
+                  reserve=0, max_compiles=3, progress=lines.append)
+    assert plan.compiled.compiles <= 3
+    assert any("at most 3 compiles in all" in line for line in lines), lines
+    assert _measure(make_step(plan.policy), args)[0] <= hbm
+
+
 def test_a_step_that_ignores_the_policy_is_reported():
     spec = zoo.IGNORES_POLICY
     with pytest.raises(F.PolicyIgnoredError, match="ignores its policy"):
@@ -135,9 +148,11 @@ def _synthetic(n_tags: int, seed: int, noise: float):
     return cands, table
 
 
-def _run(cands, table, limit, budget=6, oracle=False, figures=False, stretch=6):
+def _run(cands, table, limit, budget=6, oracle=False, figures=False, stretch=6,
+         budget_given=False):
     """The search on a table of compiled bytes. `oracle`: no memory figures, a compile
-    over the limit runs out of memory (`figures`: its error gives the bytes)."""
+    over the limit runs out of memory (`figures`: its error gives the bytes).
+    `budget_given`: `budget` is the caller's ``max_compiles``."""
     calls = []
 
     def measure(c, predicted):
@@ -148,7 +163,8 @@ def _run(cands, table, limit, budget=6, oracle=False, figures=False, stretch=6):
                                reported=b if figures and b > limit else None)
         return F._Compiled(b, 0, 0, 0, 0, 1e9 + c.recompute, 0.0)
 
-    s = F._Search(list(cands), measure, limit, budget, stretch=stretch)
+    s = F._Search(list(cands), measure, limit, budget, stretch=stretch,
+                  budget_given=budget_given)
     return s.run(), s, calls
 
 
@@ -283,6 +299,31 @@ def test_oracle_spends_compiles_left_after_bisection_beside_the_frontier():
     assert got is not None and t[got.saved] <= limit and got.saved in calls
     assert got.recompute < on_front.recompute, (calls, s.stop)
     assert len(calls) <= math.log2(len(front)) + 3
+
+
+@pytest.mark.parametrize("seed,room", [(1, 10.47), (3, 45.1)])
+def test_oracle_keeps_to_the_callers_budget_larger_or_smaller(seed, room):
+    """With the compile as the oracle, `fit`'s own budget is the bisection's cap
+    (log2(frontier) + 3); a ``max_compiles`` the caller gives replaces it, larger or
+    smaller. On these tables (1 MiB of noise per set) the cap is spent before the
+    least-recompute set that fits (the brute force over the table) is compiled; with a
+    larger budget of the caller's the search goes on to it, and with 3 it stops at 3."""
+    cands, table = _synthetic(6, seed=seed, noise=1.0)
+    limit = table[()] + int(room * MiB)
+    best = next(c for c in cands if table[c.saved] <= limit)  # the brute force
+    cap = F._oracle_cap(len(F._frontier(cands)))
+
+    got, s, calls = _run(cands, table, limit, oracle=True, figures=True)
+    assert len(calls) == cap and got is not best and "budget" in s.stop
+
+    got, s, calls = _run(cands, table, limit, budget=40, oracle=True, figures=True,
+                         budget_given=True)
+    assert got is best and table[got.saved] <= limit, (calls, s.stop)
+    assert cap < len(calls) <= 40
+
+    got, s, calls = _run(cands, table, limit, budget=3, oracle=True, figures=True,
+                         budget_given=True)
+    assert len(calls) == 3 and table[got.saved] <= limit
 
 
 def _by_hand(sizes, gains, table_mib):
