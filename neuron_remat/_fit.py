@@ -52,11 +52,13 @@ graphs (arguments + outputs - donated state + kept + recomputed reads; when it f
 nothing is better) and bisects the rest: at most 2 + ceil(log2(frontier - 1)) compiles
 (`_oracle_cap`), within log2(frontier) + 3, unless the caller gave ``max_compiles``. The
 figures of out-of-memory errors (above the limit) calibrate the model as memory figures do
-(compiles left once the bisection converges go to the walk on that model); a set that
-compiled is at most the limit, which bounds its tags' effects where the figures put it
-over; and two out-of-memory figures that differ by less than `FOLLOW` of their sets' kept
-bytes say memory does not follow the kept bytes (then every tag saved, as likely to fit as
-any set, is compiled if it was not and a compile is left, before the search stops).
+(compiles left once the bisection converges go to the walk on that model; when that model
+puts full remat within `TIGHT` x the uncertainty of the limit, one compile more per tag
+goes to it, as the rescue has with memory figures); a set that compiled is at most the
+limit, which bounds its tags' effects where the figures put it over; and two out-of-memory
+figures that differ by less than `FOLLOW` of their sets' kept bytes say memory does not
+follow the kept bytes (then every tag saved, as likely to fit as any set, is compiled if
+it was not and a compile is left, before the search stops).
 
 Two steps are reported rather than planned: one whose policy changes nothing (full remat
 and every tag saved compile to the same program: `PolicyIgnoredError`), and one whose
@@ -855,7 +857,10 @@ class _Search:
         bytes say the compiled memory does not follow the kept residuals, and the search
         stops there (`_flat_best`), as with memory figures. When the bisection converges
         with compiles left and such figures calibrated the model, the rest go to `_walk`:
-        sets beside the predicted frontier that the figures say may fit."""
+        sets beside the predicted frontier that the figures say may fit. When the budget
+        is spent (fit's own, not the caller's) and that model puts full remat within
+        `TIGHT` x the uncertainty of the limit (`_tight_by_figures`), the walk gets
+        `stretch` compiles more, as `_rescue` has with memory figures there."""
         front = _frontier(self.candidates)
         if not self.budget_given:  # a budget the user gave is theirs, larger or smaller
             self.max_compiles = _oracle_cap(len(front))
@@ -884,14 +889,29 @@ class _Search:
                     return self._flat_best()
         self.stop = ("bisection converged" if lo - hi <= 1
                      else f"the budget of {self.max_compiles} compiles is spent")
+        best = front[lo]
         if lo - hi <= 1 and self.model is not None and self.used < self.max_compiles:
             # converged with compiles to spare, and out-of-memory figures calibrated the
             # model: the sets beside the frontier that the figures say may fit get the
             # rest, by expected gain as with memory figures
             self.log("fit: bisection converged; walking beside the frontier with "
                      f"{self.max_compiles - self.used} compiles left")
-            return self._walk() or front[lo]
-        return front[lo]
+            best = self._walk() or best
+        if self.model is not None and not self.budget_given \
+                and self.used >= self.max_compiles and self._tight_by_figures():
+            self.max_compiles += self.stretch
+            self.log(f"fit: the out-of-memory figures put full remat within {TIGHT:g} x the "
+                     f"uncertainty of the limit, where the model cannot rank the sets: "
+                     f"{self.stretch} compiles more, as with memory figures (at most "
+                     f"{self.max_compiles})")
+            best = self._walk() or best
+        return best
+
+    def _tight_by_figures(self) -> bool:
+        """With the compile as the oracle: whether the model the out-of-memory figures
+        calibrated predicts full remat within `TIGHT` x the uncertainty of the limit (with
+        memory figures, the compile says so and `_rescue` explores with `stretch` more)."""
+        return self.limit - self.predict(self._by[()]) < TIGHT * self.sigma
 
     def _oracle_next(self, front: Sequence[_Candidate], lo: int, hi: int) -> int:
         """The next frontier index to compile between a set that fits (`lo`) and one over
@@ -1121,7 +1141,9 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
              f"included); at most {budget} compiles ({budget + stretch} if full remat does "
              f"not fit, or fits with less than {TIGHT:g} x the uncertainty to spare; a "
              f"backend without memory_analysis() bisects instead: at most "
-             f"{budget if max_compiles else _oracle_cap(len(_frontier(cands)))})")
+             + (f"{budget})" if max_compiles else
+                f"{_oracle_cap(len(_frontier(cands)))}, {stretch} more if its out-of-memory "
+                f"figures put full remat that close to the limit)"))
 
     def measure(c: _Candidate, predicted: int | None) -> _Compiled:
         label = ("full remat" if c.saved == () else NO_REMAT if c.saved is None

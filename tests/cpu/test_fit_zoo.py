@@ -74,9 +74,11 @@ def test_oracle_bisects_and_its_plan_fits(small):
     """A SIMULATED backend without memory_analysis() (zoo.OomOracleSimulation): the
     compile fails with RESOURCE_EXHAUSTED over the limit."""
     make_step, args, (full_bytes, _) = small
-    hbm = int(full_bytes * 1.06)
+    hbm = int(full_bytes * 1.10)  # roomy: more than F.TIGHT x F.DEFAULT_BAND to spare
+    assert hbm - full_bytes > F.TIGHT * F.DEFAULT_BAND * hbm
+    lines = []
     plan = nr.fit(zoo.oracle_make_step(make_step, hbm), *args, device=_device(hbm),
-                  reserve=0)
+                  reserve=0, progress=lines.append)
     rec = plan.compiled
     assert not rec.measured and any("oracle" in n for n in plan.notes)
     got = _measure(make_step(plan.policy), args)
@@ -84,6 +86,25 @@ def test_oracle_bisects_and_its_plan_fits(small):
     graph = F.step_graph(make_step, *args)
     front = F._frontier(F._candidates(graph, F._pool(graph, None)))
     assert rec.compiles <= math.log2(len(front)) + 3
+    assert not any("compiles more" in line for line in lines), lines
+
+
+def test_oracle_explores_more_where_its_figures_put_full_remat_close_to_the_limit(small):
+    """With the compile as the oracle, 2% above full remat (within F.TIGHT x the
+    uncertainty): once the out-of-memory figures put full remat that close to the limit,
+    the search gets one compile more per tag (as the rescue has with memory figures), says
+    so, and its plan still fits (XLA's figure)."""
+    make_step, args, (full_bytes, _) = small
+    hbm = int(full_bytes * 1.02)
+    lines = []
+    plan = nr.fit(zoo.oracle_make_step(make_step, hbm), *args, device=_device(hbm),
+                  reserve=0, progress=lines.append)
+    graph = F.step_graph(make_step, *args)
+    tags = F._pool(graph, None)
+    cap = F._oracle_cap(len(F._frontier(F._candidates(graph, tags))))
+    assert any(f"{len(tags)} compiles more" in line for line in lines), lines
+    assert cap < plan.compiled.compiles <= cap + len(tags)
+    assert _measure(make_step(plan.policy), args)[0] <= hbm
 
 
 def test_oracle_keeps_to_max_compiles(small):
