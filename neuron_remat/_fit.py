@@ -1104,7 +1104,8 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
             already holds the step's temporaries.
         **plan_options: ``candidates`` (tags to consider), ``max_compiles`` (default 6 up
             to 8 tags, and with the compile as the oracle 2 + ceil(log2(frontier - 1));
-            at least 3), ``progress`` (called with one line per compile and
+            either one more per tag where full remat fits, or is predicted, within 3 x
+            the uncertainty of the limit; at least 3), ``progress`` (called with one line per compile and
             the search's plan and end), ``band`` (the uncertainty of a prediction before
             any compile has missed, a share of full remat's bytes; 0.02), ``runner_ups``
             (how many to list; 3), ``per_layer`` (True: then a mix of save sets over the
