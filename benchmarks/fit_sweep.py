@@ -427,14 +427,16 @@ def stop_reasons(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
     return why
 
 
+def why_stopped(rows: Sequence[dict[str, Any]]) -> str:
+    """`stop_reasons` as one line ('' when no size missed by more than 2 points)."""
+    why = stop_reasons(rows)
+    return (f"{sum(why.values())} sizes over 2 points; fit stopped: "
+            + "; ".join(f"{k} ({v})" for k, v in why.items())) if why else ""
+
+
 def _why_misses(result: dict[str, Any], mode: str) -> list[str]:
-    out = []
-    for name, st in result["steps"].items():
-        why = stop_reasons(st["modes"][mode]["rows"])
-        if why:
-            out.append(f"  {name}: {sum(why.values())} sizes over 2 points; fit stopped: "
-                       + "; ".join(f"{k} ({v})" for k, v in why.items()))
-    return out
+    return [f"  {name}: {line}" for name, st in result["steps"].items()
+            if (line := why_stopped(st["modes"][mode]["rows"]))]
 
 
 def _done_when(result: dict[str, Any]) -> dict[str, Any]:

@@ -109,10 +109,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             summary["gap_bins"] = _gap_bins(gaps)
             step["modes"][mode] = {"summary": summary, "rows": rows}
             lines += _report(mode, summary, rows)
-            why = FS.stop_reasons(rows)
-            if why:
-                lines.append(f"  {sum(why.values())} sizes over 2 points; fit stopped: "
-                             + "; ".join(f"{k} ({v})" for k, v in why.items()))
+            if why := FS.why_stopped(rows):
+                lines.append(f"  {why}")
         result["steps"][name] = step
     return C.finish(args, NAME, result, "\n".join(lines), say)
 

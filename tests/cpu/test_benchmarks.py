@@ -276,6 +276,10 @@ def test_fit_sweep_counts_why_fit_stopped_where_it_missed_by_over_2_points():
     assert fit_sweep.stop_reasons(rows) == {
         "the budget of 6 compiles is spent": 1,
         "no set ... is plausibly within the limit": 2, "?": 1}
+    assert fit_sweep.why_stopped(rows) == (
+        "4 sizes over 2 points; fit stopped: the budget of 6 compiles is spent (1); "
+        "no set ... is plausibly within the limit (2); ? (1)")
+    assert fit_sweep.why_stopped(rows[:2]) == ""
 
 
 def test_packing_richer_shapes_recover_what_they_are_made_of():
