@@ -1328,7 +1328,9 @@ def _make_plan(graph: StepGraph, best: _Candidate, cands: Sequence[_Candidate],
 class FitPreview:
     """What `fit` would do, having compiled full remat only: the predicted frontier (the
     Pareto save sets by predicted bytes and recompute, least recompute first), each with
-    its predicted bytes, and the compile budget."""
+    its predicted bytes, and the compile budget: `max_compiles`, and `stretch` more where
+    full remat does not fit, or fits (or, with the compile as the oracle, is predicted)
+    within `TIGHT` x the uncertainty of the limit."""
 
     limit_bytes: int
     full_remat: Probe
@@ -1337,10 +1339,12 @@ class FitPreview:
     max_compiles: int
     measured: bool
     step_flops: float
+    stretch: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"limit_bytes": self.limit_bytes, "tags": list(self.tags),
-                "max_compiles": self.max_compiles, "measured": self.measured,
+                "max_compiles": self.max_compiles, "stretch": self.stretch,
+                "measured": self.measured,
                 "full_remat": dataclasses.asdict(self.full_remat),
                 "candidates": [{"saved": None if s is None else list(s),
                                 "no_remat": s is None, "predicted_bytes": b,
@@ -1359,7 +1363,9 @@ class FitPreview:
             + (fmt_bytes(fr.bytes) if self.measured else "(no memory figures)")
             + f" of {fmt_bytes(self.limit_bytes)}; fit would make at most "
             f"{self.max_compiles} compiles among these {len(self.candidates)} sets "
-            "(predictions calibrated on full remat alone)")
+            f"({self.max_compiles + self.stretch} where full remat does not fit or is "
+            f"within {TIGHT:g} x the uncertainty of the limit; predictions calibrated on "
+            "full remat alone)")
         return "\n".join(lines)
 
 
@@ -1384,7 +1390,8 @@ def fit_preview(make_step: Callable[[Any], Any], *args: Any,
                               _oracle_cap(len(front)))
     return FitPreview(limit, probe, tuple(tags),
                       tuple((c.saved, model.predict(c.kept, c.read), float(c.recompute))
-                            for c in front), budget, measured, float(graph.no_remat_flops))
+                            for c in front), budget, measured, float(graph.no_remat_flops),
+                      len(tags))
 
 
 def fit_table(plan: Plan) -> str:

@@ -381,6 +381,8 @@ def test_cli_fit_dry_run_compiles_full_remat_only(brute):
     assert d["candidates"][-1]["saved"] == [] and len(d["candidates"]) >= 3
     assert all(c["predicted_bytes"] > 0 for c in d["candidates"])
     assert d["candidates"][0]["recompute_flops"] < d["candidates"][-1]["recompute_flops"]
+    # the budget said up front: 6 up to 8 tags, one more per tag close to the limit
+    assert d["max_compiles"] == 6 and d["stretch"] == len(d["tags"]) <= 8
 
 
 @pytest.mark.parametrize("flag, value", [("--band", "nan"), ("--band", "-1"),
