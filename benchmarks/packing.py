@@ -55,6 +55,14 @@ def pairwise(a: Any, tags: Sequence[str]) -> Any:
     return np.column_stack([a, *pairs]) if pairs else a
 
 
+def _by_model(a: Any, coefs: Sequence[Any]) -> Any:
+    """Each additive model's prediction of each row of `a`, one model per last-axis entry
+    (the largest is ``.max(-1)``)."""
+    import numpy as np  # noqa: PLC0415
+
+    return np.stack([a @ c for c in coefs], -1)
+
+
 def max_of_linear_fit(a: Any, y: Any, k: int, trials: int = 30, seed: int = 0) -> list[Any]:
     """The coefficients of `k` least-squares fits over the columns of `a` whose largest
     best follows `y`: each set is given to the fit that predicts it highest, each fit
@@ -73,15 +81,14 @@ def max_of_linear_fit(a: Any, y: Any, k: int, trials: int = 30, seed: int = 0) -
             coefs = [np.linalg.lstsq(a[owner == i], y[owner == i], rcond=None)[0]
                      if (owner == i).sum() >= a.shape[1]
                      else whole + rng.normal(0, jitter, a.shape[1]) for i in range(k)]
-            pred = np.stack([a @ c for c in coefs], 1)
-            moved = pred.argmax(1)
+            moved = _by_model(a, coefs).argmax(-1)
             if (moved == owner).all():
                 break
             owner = moved
         # a model counts only where the sets it owns determine it: one that owns fewer
         # sets than it has coefficients could predict anything at a set left out
         kept = [c for i, c in enumerate(coefs) if (owner == i).sum() >= a.shape[1]] or [whole]
-        sd = float((y - np.stack([a @ c for c in kept], 1).max(1)).std())
+        sd = float((y - _by_model(a, kept).max(-1)).std())
         if sd < best_sd:
             best, best_sd = kept, sd
     assert best is not None
@@ -90,10 +97,7 @@ def max_of_linear_fit(a: Any, y: Any, k: int, trials: int = 30, seed: int = 0) -
 
 def max_of_linear(a: Any, y: Any, k: int, trials: int = 30, seed: int = 0) -> Any:
     """What is left of `y` by the largest of `k` additive models (`max_of_linear_fit`)."""
-    import numpy as np  # noqa: PLC0415
-
-    coefs = max_of_linear_fit(a, y, k, trials, seed)
-    return y - np.stack([a @ c for c in coefs], 1).max(1)
+    return y - _by_model(a, max_of_linear_fit(a, y, k, trials, seed)).max(-1)
 
 
 def predicted_from_the_others(shape: str, a: Any, y: Any, i: int) -> float:
@@ -105,7 +109,7 @@ def predicted_from_the_others(shape: str, a: Any, y: Any, i: int) -> float:
     keep = np.arange(len(y)) != i
     if shape.startswith("max_of_"):
         coefs = max_of_linear_fit(a[keep], y[keep], int(shape.rsplit("_", 1)[1]))
-        return float(max(a[i] @ c for c in coefs))
+        return float(_by_model(a[i], coefs).max(-1))
     return float(a[i] @ np.linalg.lstsq(a[keep], y[keep], rcond=None)[0])
 
 
