@@ -279,8 +279,7 @@ def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
                        states_truth=(rec.flops == truth["flops"]
                                      and (not rec.measured or rec.bytes == truth["bytes"])),
                        noticed=any("does not follow" in n for n in plan.notes),
-                       stop=next((n[len("search: "):] for n in plan.notes
-                                  if n.startswith("search: ")), None),
+                       stop=rec.stop or None,
                        overhead=per * (truth["flops"] - flops0) / base,
                        gap=None if best is None else per * (truth["flops"] - best[0]) / base)
         rows.append(row)

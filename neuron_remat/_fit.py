@@ -143,7 +143,10 @@ class CompiledFit:
     the state and the step's policy-independent temporaries, less what the slope's line
     over-counts at read(S) = 0 (it can be negative). `workspace_error_bytes` is the model's largest
     miss on the compiles made (before the per-tag corrections). `measured` is False when
-    the backend had no ``memory_analysis()`` and `bytes` is the uncalibrated model's."""
+    the backend had no ``memory_analysis()`` and `bytes` is the uncalibrated model's.
+    `stop` says why the search ended: the budget was spent, no set that recomputes less
+    was plausibly within the limit, the bisection converged, and so on (the plan's
+    ``"search: ..."`` note says the same)."""
 
     hbm_bytes: int
     reserve_bytes: int
@@ -161,6 +164,7 @@ class CompiledFit:
     step_flops: float
     recompute_flops: float
     measured: bool = True
+    stop: str = ""
 
     @property
     def overhead(self) -> float:
@@ -1199,7 +1203,7 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
         model = search.model or _Model(0.0, 1.0, 1.0)
     return _make_plan(graph, best, cands, device, hbm, held, limit, probes, model, tags, r,
                       plan_options, measured=measured, extra_notes=notes,
-                      over={s for s, c in results.items() if c.over(limit)})
+                      over={s for s, c in results.items() if c.over(limit)}, stop=search.stop)
 
 
 class PolicyIgnoredError(ValueError):
@@ -1262,7 +1266,8 @@ def _make_plan(graph: StepGraph, best: _Candidate, cands: Sequence[_Candidate],
                device: DeviceSpec, hbm: int, held: int, limit: int,
                probes: Sequence[Probe], model: _Model, tags: Sequence[str],
                compiled: _Compiled, options: dict[str, Any], measured: bool = True,
-               extra_notes: Sequence[str] = (), over: set[Any] | None = None) -> Plan:
+               extra_notes: Sequence[str] = (), over: set[Any] | None = None,
+               stop: str = "") -> Plan:
     layers = graph.count
     notes = list(extra_notes)
     no_remat = best.saved is None
@@ -1308,7 +1313,7 @@ def _make_plan(graph: StepGraph, best: _Candidate, cands: Sequence[_Candidate],
         workspace_slope=model.slope, workspace_bytes=workspace,
         workspace_error_bytes=int(error), layers=layers,
         step_flops=float(graph.no_remat_flops), recompute_flops=float(recompute),
-        measured=measured)
+        measured=measured, stop=stop)
     fwd = graph.no_remat_flops / 3 / layers
     return Plan(
         policy=_policy(best.saved), saved_tags=tuple(saved),
