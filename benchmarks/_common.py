@@ -89,6 +89,22 @@ def prepare_compiles() -> None:
         sys.path.insert(0, str(REPO))  # this checkout's neuron_remat
 
 
+def compiled_bytes(compiled: Any) -> int:
+    """A compiled step's bytes as XLA counts them: arguments + outputs + temporaries -
+    donated (aliased) buffers (``memory_analysis()``)."""
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - m.alias_size_in_bytes)
+
+
+def compiled_flops(compiled: Any) -> float:
+    """A compiled step's FLOPs (``cost_analysis()``: a dict, or a list of one on older
+    JAX); nan when the backend gives none."""
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}
+    return float(cost.get("flops", float("nan")))
+
+
 def json_path(args: argparse.Namespace, name: str) -> Path:
     return args.json if args.json is not None else args.out / f"{name}.json"
 

@@ -150,8 +150,8 @@ class Brute:
             c = make_step(policy).lower(*args).compile()
             m = c.memory_analysis()
             row = {f: int(getattr(m, f)) for f in FIELDS}
-            row["bytes"] = (row[FIELDS[0]] + row[FIELDS[1]] + row[FIELDS[2]] - row[FIELDS[3]])
-            row["flops"] = float(c.cost_analysis()["flops"])
+            row["bytes"] = C.compiled_bytes(c)
+            row["flops"] = C.compiled_flops(c)
             self.table[_key(saved)] = row
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps({"step": self.spec.name, "tags": self.file_tags,

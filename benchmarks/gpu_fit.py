@@ -86,25 +86,13 @@ def _policy(saved: Sequence[str] | None) -> Any:
     return jax.checkpoint_policies.save_only_these_names(*saved)
 
 
-def _bytes(compiled: Any) -> int:
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-               - m.alias_size_in_bytes)
-
-
-def _flops(compiled: Any) -> float:
-    cost = compiled.cost_analysis()  # a dict, or a list of one on older JAX
-    cost = (cost[0] if isinstance(cost, list) and cost else cost) or {}
-    return float(cost.get("flops", float("nan")))
-
-
 # ---- workers (one fresh process each) -------------------------------------------------
 
 
 def work_range(spec: Any) -> dict[str, Any]:
     """Full remat's and no remat's compiled bytes."""
     make, args = spec.make_step(), spec.abstract_args()
-    return {s: _bytes(make(_policy(saved)).lower(*args).compile())
+    return {s: C.compiled_bytes(make(_policy(saved)).lower(*args).compile())
             for s, saved in (("full", ()), ("none", None))}
 
 
@@ -132,7 +120,7 @@ def work_compile(spec: Any) -> dict[str, Any]:
     """Every tag saved, compiled: its bytes and FLOPs (does a compile repeat?)."""
     saved = tuple(sorted({t for t in spec.tags.values() if t}))
     exe = spec.make_step()(_policy(saved)).lower(*spec.abstract_args()).compile()
-    return {"bytes": _bytes(exe), "flops": _flops(exe)}
+    return {"bytes": C.compiled_bytes(exe), "flops": C.compiled_flops(exe)}
 
 
 def work_peak(spec: Any, saved: Sequence[str] | None) -> dict[str, Any]:
@@ -146,8 +134,9 @@ def work_peak(spec: Any, saved: Sequence[str] | None) -> dict[str, Any]:
     before, init_peak = stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
     state, loss = exe(state, tokens)
     jax.block_until_ready((state, loss))
-    return {"saved": None if saved is None else list(saved), "compiled_bytes": _bytes(exe),
-            "flops": _flops(exe), "before_bytes": before,
+    return {"saved": None if saved is None else list(saved),
+            "compiled_bytes": C.compiled_bytes(exe), "flops": C.compiled_flops(exe),
+            "before_bytes": before,
             "init_peak_bytes": init_peak,
             "peak_bytes": (dev.memory_stats() or {}).get("peak_bytes_in_use"),
             "loss": float(loss), "device": str(dev)}

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "cpu"))  # reference
 
+import _common as C  # noqa: E402
 import neuron_remat as nr  # noqa: E402
 import reference as ref  # noqa: E402
 
@@ -58,11 +59,8 @@ def compile_step(policies, unroll=False):
         return jnp.sum(nr.scan_layers(layer, params, x, policies, unroll=unroll) ** 2)
 
     c = jax.jit(jax.grad(loss)).lower(pa, x).compile()
-    m = c.memory_analysis()
-    ca = c.cost_analysis()
-    ca = ca[0] if isinstance(ca, list) else ca
-    return {"bytes": m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes, "temp": m.temp_size_in_bytes, "flops": ca["flops"]}
+    return {"bytes": C.compiled_bytes(c), "temp": c.memory_analysis().temp_size_in_bytes,
+            "flops": C.compiled_flops(c)}
 
 
 def cached(key, fn, cache):

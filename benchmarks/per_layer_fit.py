@@ -41,6 +41,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests" / "cpu")]
 
 import jax  # noqa: E402
 
+import _common as C  # noqa: E402
 import neuron_remat as nr  # noqa: E402
 import zoo  # noqa: E402
 
@@ -52,11 +53,7 @@ NONE = jax.checkpoint_policies.everything_saveable
 
 def _compile(step: Any, args: Any) -> dict[str, float]:
     c = step.lower(*args).compile()
-    m = c.memory_analysis()
-    cost = c.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return {"bytes": m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes, "flops": float(cost["flops"])}
+    return {"bytes": C.compiled_bytes(c), "flops": C.compiled_flops(c)}
 
 
 def _policy(saved: list[str] | None) -> Any:

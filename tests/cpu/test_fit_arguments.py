@@ -16,6 +16,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import neuron_remat as nr
+from xla_figures import measure
 
 LAYERS, HIDDEN, FFN, TOKENS = 4, 32, 256, 64
 
@@ -66,9 +67,7 @@ def _device(hbm: int):
 
 
 def _compiled_bytes(make_step, args) -> int:
-    mem = make_step.lower(*args).compile().memory_analysis()
-    return (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
-            - mem.alias_size_in_bytes)
+    return measure(make_step, args)[0]
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ import neuron_remat as nr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zoo  # noqa: E402
+from xla_figures import measure as _measure  # noqa: E402
 
 F = importlib.import_module("neuron_remat._fit")
 MiB = 1 << 20
@@ -33,13 +34,6 @@ MiB = 1 << 20
 
 def _device(hbm: int) -> nr.DeviceSpec:
     return nr.parse_device(f"trn2.48xlarge:hbm={int(hbm)}B:cores=1", source="test")
-
-
-def _measure(step, args) -> tuple[int, float]:
-    c = step.lower(*args).compile()
-    m = c.memory_analysis()
-    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes, float(c.cost_analysis()["flops"]))
 
 
 # --------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import logging
 import pytest
 
 import maxtext_zoo as mz
+from xla_figures import compiled_bytes, compiled_flops
 
 _WHY = mz.available()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=str(_WHY))
@@ -35,17 +36,6 @@ SIZES = (0.04, 0.05, 0.5, 1.0)
 """HBM sizes, as fractions of the way from the smallest compiled set to 5% above no remat
 (benchmarks/maxtext_fit.py's range): where the sets differ most (just above full remat)
 and two wider."""
-
-
-def _bytes(compiled):
-    m = compiled.memory_analysis()
-    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-            - m.alias_size_in_bytes)
-
-
-def _flops(compiled):
-    cost = compiled.cost_analysis()
-    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
 
 
 # --------------------------------------------------------------------------------------
@@ -159,7 +149,7 @@ def step():
     make_step, args = SPEC.make_step(), SPEC.abstract_args()
     full = make_step(jax.checkpoint_policies.save_only_these_names()).lower(*args).compile()
     none = make_step(jax.checkpoint_policies.everything_saveable).lower(*args).compile()
-    return make_step, args, _bytes(full), _bytes(none)
+    return make_step, args, compiled_bytes(full), compiled_bytes(none)
 
 
 def _device(hbm):
@@ -171,7 +161,7 @@ def _device(hbm):
 def _check_plan(plan, make_step, args, hbm):
     """The plan's own policy, compiled: within `hbm`, and the figures the plan states."""
     compiled = make_step(plan.policy).lower(*args).compile()
-    nbytes, flops = _bytes(compiled), _flops(compiled)
+    nbytes, flops = compiled_bytes(compiled), compiled_flops(compiled)
     assert nbytes <= hbm, (plan.saved_tags, nbytes / MiB, hbm / MiB)
     rec = plan.compiled
     assert rec is not None
@@ -218,9 +208,9 @@ def test_fit_against_the_compiled_brute_force(step):
         for subset in itertools.combinations(pool, r):
             c = make_step(jax.checkpoint_policies.save_only_these_names(*subset)).lower(
                 *args).compile()
-            table[subset] = (_bytes(c), _flops(c))
+            table[subset] = (compiled_bytes(c), compiled_flops(c))
     c = make_step(jax.checkpoint_policies.everything_saveable).lower(*args).compile()
-    table[None] = (_bytes(c), _flops(c))
+    table[None] = (compiled_bytes(c), compiled_flops(c))
     base = table[None][1]
     per = graph.count  # XLA:CPU counts a scan body once: a difference is one layer's
     smallest = min(b for b, _ in table.values())

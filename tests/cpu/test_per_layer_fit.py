@@ -8,6 +8,7 @@ import pytest
 
 import neuron_remat as nr
 import reference as ref
+from xla_figures import measure as xla_measure
 
 CFG = nr.TransformerConfig(hidden=64, heads=4, kv_heads=2, ffn=192, layers=4, vocab=64,
                            name="fit-mix", flash_attention=False)
@@ -74,10 +75,7 @@ def test_fit_per_layer_between_every_tag_and_no_remat_on_a_zoo_step():
     every = nr.RegexPolicy([re.escape(t) for t in spec.tags.values() if t])
 
     def measure(step):
-        c = step.lower(*args).compile()
-        m = c.memory_analysis()
-        return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-                - m.alias_size_in_bytes), float(c.cost_analysis()["flops"])
+        return xla_measure(step, args)
 
     e, n = measure(make(every))[0], measure(make(none))[0]
     limit = int(e + 0.75 * (n - e))
