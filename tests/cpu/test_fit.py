@@ -369,6 +369,9 @@ def test_cli_fit_prints_probes_and_json(brute):
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("compile ")]
     assert len(lines) == 2 * d["compiled"]["compiles"]  # start, result
     assert "at most 6 compiles" in out.stderr  # said up front
+    # why the search stopped: in the JSON as in the last progress line
+    assert d["compiled"]["stop"] and (f"fit: stopped after {d['compiled']['compiles']} "
+                                      f"compiles: {d['compiled']['stop']}") in out.stderr
 
 
 def test_cli_fit_dry_run_compiles_full_remat_only(brute):
