@@ -97,12 +97,17 @@ def compiled_bytes(compiled: Any) -> int:
                - m.alias_size_in_bytes)
 
 
-def compiled_flops(compiled: Any) -> float:
+def compiled_flops(compiled: Any, missing: float | None = None) -> float:
     """A compiled step's FLOPs (``cost_analysis()``: a dict, or a list of one on older
-    JAX); nan when the backend gives none."""
+    JAX). Where the backend gives none: `missing` when given (gpu_fit records nan), else
+    a ValueError, so that no reference table holds a FLOP count nobody measured."""
     cost = compiled.cost_analysis()
     cost = (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}
-    return float(cost.get("flops", float("nan")))
+    if "flops" in cost:
+        return float(cost["flops"])
+    if missing is None:
+        raise ValueError("cost_analysis() gives no 'flops' for this compile")
+    return missing
 
 
 def json_path(args: argparse.Namespace, name: str) -> Path:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import itertools
 import json
 import math
 import statistics

@@ -19,10 +19,12 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    backward reads that S recomputes, `scale` what the backend stores per kept byte (1, or
    2 where XLA:CPU keeps bfloat16 as float32), `fixed` the state and the
    policy-independent temporaries. The model's misses are read as one unknown effect per
-   saved tag (a Gaussian process over which tags a set saves, `TAG_SD`, `SET_SD`): XLA's
-   buffer packing moves with particular tags, and saving one may compile smaller than
-   saving none. A set sharing most tags with compiled ones is predicted from them, with
-   little uncertainty; one made of tags never compiled keeps their whole uncertainty;
+   saved tag (a Gaussian process over which tags a set saves, `TAG_SD`, `SET_SD`, with
+   correlated effects for tags the trace cannot tell apart, `ALIKE`): XLA's buffer
+   packing moves with particular tags, and saving one may compile smaller than saving
+   none. A set sharing most tags with compiled ones is predicted from them, with little
+   uncertainty; one made of tags never compiled, nor alike to one compiled, keeps their
+   whole uncertainty;
 3. searches by expected gain: each set that recomputes less than the best compiled fit
    gets a chance to fit (normal errors: the search's uncertainty and the set's own), and
    the next compile goes to the largest chance x recompute saved, among sets whose chance
@@ -489,8 +491,11 @@ full remat's compiled bytes."""
 ALIKE = 0.5
 """The correlation of two tags' effects when the trace cannot tell them apart: saving
 either alone keeps the same bytes, leaves the same reads to recompute and saves the same
-FLOPs (a K and V projection, the two halves of a gated FFN). The compiler lays out alike
-buffers much alike, so a miss seen on one moves the other's prediction (`_Search._alike`).
+FLOPs (a K and V projection under GQA, the two halves of a gated FFN, a Q and an output
+projection without rotary embedding). The compiler tends to lay out alike buffers alike,
+so a miss seen on one moves the other's prediction (`_Search._alike`); a set that saves
+both is less sure than two unrelated tags (prior variance (2 + 2 x ALIKE) x TAG_SD^2, not
+2 x TAG_SD^2). Valid in [0, 1).
 
 Chosen on the zoo's train steps (0 is one independent effect per tag): on gqa4-adamw's
 sweep, memory_analysis, the largest gap went from 1.45 to 0.73 points and the sizes within
@@ -670,7 +675,8 @@ class _Search:
         trace cannot tell apart) plus noise (sd `SET_SD`). XLA's buffer packing moves
         with particular tags (saving one may compile smaller than saving none); a set
         that shares most of its tags with compiled sets is predicted from them, and one
-        made of tags never compiled keeps the tags' whole uncertainty.
+        made of tags never compiled, nor alike to one compiled, keeps the tags' whole
+        uncertainty.
 
         With the compile as the oracle, a set that compiled gives no figure, only that it
         is within the limit: where the effects read from the figures put such a set over
@@ -715,13 +721,21 @@ class _Search:
     def _alike(self) -> tuple[list[str], np.ndarray]:
         """The tags (sorted) and the prior correlation of their effects: `ALIKE` between
         two tags whose sets of one (each saved alone) keep, read and recompute exactly the
-        same as each other, 0 between others. Being alike is an equivalence, so the matrix
-        is a block of equal correlations per class: positive definite for `ALIKE` < 1."""
+        same as each other, 0 between others. A tag whose saving alone changes none of
+        these (it pays off only beside others) is alike to none: the sets of one cannot
+        tell such tags apart, larger sets may. Being alike is an equivalence, so the
+        matrix is a block of equal correlations per class: positive definite for
+        0 <= `ALIKE` < 1."""
         if self._corr is None:
             tags = sorted({t for c in self.candidates if c.saved for t in c.saved})
             full = self._by[()]
-            trace = {t: (c.kept - full.kept, c.read - full.read, full.recompute - c.recompute)
-                     for t in tags if (c := self._by.get((t,))) is not None}
+            trace = {}
+            for t in tags:
+                c = self._by.get((t,))
+                f = None if c is None else (c.kept - full.kept, c.read - full.read,
+                                            full.recompute - c.recompute)
+                if f is not None and any(f):
+                    trace[t] = f
             corr = np.eye(len(tags))
             for i, a in enumerate(tags):
                 for j, b in enumerate(tags):

@@ -16,7 +16,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name
 
 import neuron_remat as nr
-from xla_figures import measure
+from xla_figures import compiled_bytes
 
 LAYERS, HIDDEN, FFN, TOKENS = 4, 32, 256, 64
 
@@ -67,7 +67,7 @@ def _device(hbm: int):
 
 
 def _compiled_bytes(make_step, args) -> int:
-    return measure(make_step, args)[0]
+    return compiled_bytes(make_step.lower(*args).compile())
 
 
 @pytest.fixture(scope="module")

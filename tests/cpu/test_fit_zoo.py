@@ -372,14 +372,16 @@ def test_oracle_rescue_walks_on_after_a_set_fits():
 def test_a_miss_on_one_tag_moves_the_prediction_of_a_tag_the_trace_cannot_tell_apart():
     """K and V projections, or a gated FFN's two halves, keep, read and save the same: a
     miss seen on one says something about the other. Here a and b are alike (one half-MiB
-    unit, 3 GFLOP each), c is not. Full remat compiles as the model says; a alone
-    compiles 1 MiB over it. The expected posterior, by hand, for a Gaussian prior on each
-    tag's effect (sd TAG_SD of full remat's bytes, correlation ALIKE between a and b) and
-    noise SET_SD per set, two observations (full remat: no tag, miss 0; a: miss r):
-    b's mean is ALIKE * t2 * r / (t2 + e2), its variance t2 - (ALIKE * t2)^2 / (t2 + e2)
-    + e2; c's mean is 0 and its variance t2 + e2."""
-    sizes, gains = {"a": 1, "b": 1, "c": 2}, {"a": 3, "b": 3, "c": 1}
-    table = {(): 100, ("a",): 0, ("b",): 0, ("c",): 0, None: 110}
+    unit, 3 GFLOP each); c is not, nor is d (a's size, another gain). The expected
+    figures, by hand, for a Gaussian prior on each tag's effect (sd TAG_SD of full
+    remat's bytes, correlation ALIKE between a and b) and noise SET_SD per set:
+
+    - before any compile, saving a and b together has variance t2 (2 + 2 ALIKE) + e2;
+    - after two (full remat: no tag, miss 0; a alone: miss r), b's mean is
+      ALIKE * t2 * r / (t2 + e2) and its variance t2 - (ALIKE * t2)^2 / (t2 + e2) + e2;
+      c's and d's means are 0 and their variances t2 + e2."""
+    sizes, gains = {"a": 1, "b": 1, "c": 2, "d": 1}, {"a": 3, "b": 3, "c": 1, "d": 2}
+    table = {(): 100, ("a",): 0, ("b",): 0, ("c",): 0, ("d",): 0, ("a", "b"): 0, None: 110}
     cands, table = _by_hand(sizes, gains, table)
     by = {c.saved: c for c in cands}
     fixed = table[()] - by[()].kept - by[()].read  # full remat exactly as the model says
@@ -387,16 +389,20 @@ def test_a_miss_on_one_tag_moves_the_prediction_of_a_tag_the_trace_cannot_tell_a
     s = F._Search(list(cands), lambda c, p: F._Compiled(table[c.saved], 0, 0, 0, 0, 1e9,
                                                         0.0), 200 * MiB, 6)
     s._scale = float(table[()])
-    s._measure(by[()])
-    s._measure(by[("a",)])
-    s.model = F._Model(float(fixed), 1.0, 1.0)  # fixed by hand: the misses are 0 and 1 MiB
+    s.model = F._Model(float(fixed), 1.0, 1.0)  # fixed by hand, as the misses below
     t2, e2, r = (F.TAG_SD * table[()]) ** 2, (F.SET_SD * table[()]) ** 2, float(MiB)
     assert 0 < F.ALIKE < 1
+    assert s._tag_effect(("a", "b"))[1] == pytest.approx(t2 * (2 + 2 * F.ALIKE) + e2,
+                                                         rel=1e-6)
+    s._measure(by[()])
+    s._measure(by[("a",)])
+    s.model = F._Model(float(fixed), 1.0, 1.0)  # the misses: 0 and 1 MiB
     mean_b, var_b = s._tag_effect(("b",))
     assert mean_b == pytest.approx(F.ALIKE * t2 * r / (t2 + e2), rel=1e-6)
     assert var_b == pytest.approx(t2 - (F.ALIKE * t2) ** 2 / (t2 + e2) + e2, rel=1e-6)
-    mean_c, var_c = s._tag_effect(("c",))
-    assert abs(mean_c) < 1e-6 * r and var_c == pytest.approx(t2 + e2, rel=1e-6)
+    for other in ("c", "d"):
+        mean, var = s._tag_effect((other,))
+        assert abs(mean) < 1e-6 * r and var == pytest.approx(t2 + e2, rel=1e-6), other
 
 
 def test_oracle_reads_a_set_that_compiled_as_at_most_the_limit():

@@ -8,7 +8,7 @@ import pytest
 
 import neuron_remat as nr
 import reference as ref
-from xla_figures import measure as xla_measure
+from xla_figures import measure
 
 CFG = nr.TransformerConfig(hidden=64, heads=4, kv_heads=2, ffn=192, layers=4, vocab=64,
                            name="fit-mix", flash_attention=False)
@@ -74,17 +74,14 @@ def test_fit_per_layer_between_every_tag_and_no_remat_on_a_zoo_step():
     none = jax.checkpoint_policies.everything_saveable
     every = nr.RegexPolicy([re.escape(t) for t in spec.tags.values() if t])
 
-    def measure(step):
-        return xla_measure(step, args)
-
-    e, n = measure(make(every))[0], measure(make(none))[0]
+    e, n = measure(make(every), args)[0], measure(make(none), args)[0]
     limit = int(e + 0.75 * (n - e))
     dev = nr.parse_device(f"trn2.48xlarge:hbm={limit}B:cores=1", source="test")
     plan = nr.fit(make, *args, device=dev, reserve=0, per_layer=True)
     assert plan.layer_policies is not None, plan.notes
     assert len(plan.layer_policies) == spec.layers
     assert none in plan.layer_policies  # some layers without remat
-    mixed_bytes, mixed_flops = measure(make(plan.layer_policies))
+    mixed_bytes, mixed_flops = measure(make(plan.layer_policies), args)
     assert mixed_bytes == plan.compiled.probes[-1].bytes <= limit
     # XLA's FLOPs as each step runs: no remat (the step), the uniform plan, the mix (its
     # rolled count is the compile above).
@@ -93,7 +90,7 @@ def test_fit_per_layer_between_every_tag_and_no_remat_on_a_zoo_step():
     def flops(policy, unroll):
         key = (repr(policy), unroll)
         if key not in seen:
-            seen[key] = measure(makers[unroll](policy))[1]
+            seen[key] = measure(makers[unroll](policy), args)[1]
         return seen[key]
 
     step = zoo.as_run_flops(spec, none, flops)

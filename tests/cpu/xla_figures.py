@@ -15,7 +15,8 @@ def compiled_bytes(compiled: Any) -> int:
 
 
 def compiled_flops(compiled: Any) -> float:
-    """XLA's FLOPs (``cost_analysis()`` is a dict, or a list of one on older JAX)."""
+    """XLA's FLOPs (``cost_analysis()`` is a dict, or a list of one on older JAX); a
+    KeyError where it gives none."""
     cost = compiled.cost_analysis()
     return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
 
