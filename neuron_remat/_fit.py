@@ -534,6 +534,12 @@ def _max_compiles(n_tags: int) -> int:
     return 6 if n_tags <= 8 else 6 + (n_tags - 8) // 2
 
 
+def _stretch(n_tags: int) -> int:
+    """The compiles beyond the budget where full remat does not fit or is close to the
+    limit (`TIGHT`): one per tag, for each tag alone (`_Search._rescue`)."""
+    return n_tags
+
+
 @dataclass(frozen=True)
 class _Candidate:
     saved: tuple[str, ...] | None  # None: no remat
@@ -1183,7 +1189,7 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
         make_step, args, device, reserve, plan_options)
     cands = _candidates(graph, tags)
     budget = max_compiles or _max_compiles(len(tags))
-    stretch = len(tags)
+    stretch = _stretch(len(tags))
     probes: list[Probe] = []
     results: dict[Any, _Compiled] = {}
     progress(f"fit: {len(tags)} candidate tags, {len(cands)} save sets (no remat "
@@ -1440,7 +1446,7 @@ def fit_preview(make_step: Callable[[Any], Any], *args: Any,
     return FitPreview(limit, probe, tuple(tags),
                       tuple((c.saved, model.predict(c.kept, c.read), float(c.recompute))
                             for c in front), budget, measured, float(graph.no_remat_flops),
-                      len(tags))
+                      _stretch(len(tags)))
 
 
 def fit_table(plan: Plan) -> str:
