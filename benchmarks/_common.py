@@ -89,12 +89,24 @@ def prepare_compiles() -> None:
         sys.path.insert(0, str(REPO))  # this checkout's neuron_remat
 
 
-def compiled_bytes(compiled: Any) -> int:
-    """A compiled step's bytes as XLA counts them: arguments + outputs + temporaries -
-    donated (aliased) buffers (``memory_analysis()``)."""
+MEMORY_FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+                 "alias_size_in_bytes")
+
+
+def memory_row(compiled: Any) -> dict[str, int]:
+    """A compiled step's ``memory_analysis()`` fields (`MEMORY_FIELDS`), read once, and
+    its bytes as XLA counts them: arguments + outputs + temporaries - donated (aliased)
+    buffers."""
     m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-               - m.alias_size_in_bytes)
+    row = {f: int(getattr(m, f)) for f in MEMORY_FIELDS}
+    row["bytes"] = (row["argument_size_in_bytes"] + row["output_size_in_bytes"]
+                    + row["temp_size_in_bytes"] - row["alias_size_in_bytes"])
+    return row
+
+
+def compiled_bytes(compiled: Any) -> int:
+    """A compiled step's bytes as XLA counts them (`memory_row`)."""
+    return memory_row(compiled)["bytes"]
 
 
 def compiled_flops(compiled: Any, missing: float | None = None) -> float:

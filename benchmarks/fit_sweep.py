@@ -52,8 +52,6 @@ MiB = 1 << 20
 MAX_TAGS = 8
 """Tags per step in the brute force (at most 2**8 sets, each compiled once and cached)."""
 NO_REMAT = "__no_remat__"
-FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
-          "alias_size_in_bytes")
 
 
 def _zoo() -> Any:
@@ -147,9 +145,7 @@ class Brute:
             policy = (jax.checkpoint_policies.everything_saveable if saved is None
                       else save_only_these_names(*saved))
             c = make_step(policy).lower(*args).compile()
-            m = c.memory_analysis()
-            row = {f: int(getattr(m, f)) for f in FIELDS}
-            row["bytes"] = C.compiled_bytes(c)
+            row: dict[str, Any] = C.memory_row(c)
             row["flops"] = C.compiled_flops(c)
             self.table[_key(saved)] = row
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -175,7 +171,7 @@ class _CachedCompiled:
     def memory_analysis(self) -> Any:
         import types  # noqa: PLC0415
 
-        return types.SimpleNamespace(**{f: int(self._row[f]) for f in FIELDS})
+        return types.SimpleNamespace(**{f: int(self._row[f]) for f in C.MEMORY_FIELDS})
 
     def cost_analysis(self) -> dict[str, float]:
         return {"flops": self._row["flops"]}

@@ -59,8 +59,8 @@ def compile_step(policies, unroll=False):
         return jnp.sum(nr.scan_layers(layer, params, x, policies, unroll=unroll) ** 2)
 
     c = jax.jit(jax.grad(loss)).lower(pa, x).compile()
-    return {"bytes": C.compiled_bytes(c), "temp": c.memory_analysis().temp_size_in_bytes,
-            "flops": C.compiled_flops(c)}
+    m = C.memory_row(c)
+    return {"bytes": m["bytes"], "temp": m["temp_size_in_bytes"], "flops": C.compiled_flops(c)}
 
 
 def cached(key, fn, cache):
