@@ -405,6 +405,49 @@ def test_a_miss_on_one_tag_moves_the_prediction_of_a_tag_the_trace_cannot_tell_a
         assert abs(mean) < 1e-6 * r and var == pytest.approx(t2 + e2, rel=1e-6), other
 
 
+def _last_compile(limit_mib, budget):
+    """By hand (MiB, `_by_hand`: a set of n size units compiles to 100 + 3n/8, exactly as
+    the model says): c (1 unit, 1 GFLOP saved), b (2 units, 2 GFLOP) and a (20 units, 10
+    GFLOP). Full remat, every tag and c alone were compiled; then the walk, with `budget`.
+    Returns the fourth compile and the plan."""
+    sizes, gains = {"a": 20, "b": 2, "c": 1}, {"a": 10, "b": 2, "c": 1}
+    sets = [s for r in range(4) for s in itertools.combinations("abc", r)]
+    table = {s: 100 + 0.375 * sum(sizes[t] for t in s) for s in sets} | {None: 120}
+    cands, table = _by_hand(sizes, gains, table)
+    by = {c.saved: c for c in cands}
+    calls = []
+
+    def measure(c, predicted):
+        calls.append(c.saved)
+        return F._Compiled(table[c.saved], 0, 0, 0, 0, 1e9 + c.recompute, 0.0)
+
+    s = F._Search(list(cands), measure, int(limit_mib * MiB), budget)
+    s._scale, s._floor = float(table[()]), F.FLOOR * table[()]
+    s.sigma = F.DEFAULT_BAND * table[()]
+    s.model = F._Model(float(table[()] - by[()].kept - by[()].read), 1.0, 1.0)
+    for saved in ((), ("a", "b", "c"), ("c",)):
+        s._measure(by[saved])
+    got = s._walk()
+    return calls[3], got
+
+
+def test_the_last_compile_goes_to_a_likely_fit():
+    """With one compile left there is none after it to follow up a miss. At 107 MiB, a
+    alone is predicted 0.5 MiB over (a chance under one half, whatever the spread) but
+    would save 9 GFLOP more than c; b with c is predicted 5.9 MiB under (its chance over
+    0.95 for any spread under 3.5 MiB: the uncertainty 2 MiB and two tags' 2 MiB each) and
+    saves 2 more. By expected gain a (about 0.42 x 9) beats b, c (about 0.95 x 2): that is
+    where a compile goes with more left, and where the last one does not. At 100.6 MiB no
+    set better than c is predicted within the limit: the last compile still goes by
+    expected gain (b, c: 0.525 MiB over, 2 GFLOP) rather than none."""
+    fourth, got = _last_compile(107.0, budget=4)
+    assert fourth == ("b", "c") and got.saved == ("b", "c")
+    fourth, got = _last_compile(107.0, budget=5)
+    assert "a" in fourth
+    fourth, got = _last_compile(100.6, budget=4)
+    assert fourth == ("b", "c") and got.saved == ("c",)
+
+
 def test_oracle_reads_a_set_that_compiled_as_at_most_the_limit():
     """gqa4-adamw at 15.67 MiB with the compile as the oracle: full remat, every tag,
     `key_proj` and `value_proj` alone ran out of memory (their figures a little over full
