@@ -398,15 +398,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def compile_budget(text: str) -> int:
-    """``--max-compiles``: an int of at least 3 (full remat, every tag, one more)."""
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 3:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a compile budget: give an int of "
-                                         "at least 3")
-    return n
+    """``--max-compiles``: an int of at least 3 (full remat, every tag, one more), checked
+    as ``neuron-remat fit --max-compiles`` checks it."""
+    from neuron_remat.cli import _count  # noqa: PLC0415
+
+    return _count(3, what="a compile budget")(text)
 
 
 def stop_reasons(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
