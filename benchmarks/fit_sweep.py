@@ -239,11 +239,7 @@ def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
            counter: list[int], make: Any, max_compiles: int | None) -> list[dict[str, Any]]:
     import neuron_remat as nr  # noqa: PLC0415
 
-    # XLA:CPU counts a scan body once (a FLOP difference is one layer's: times the
-    # layers); an unrolled stack's every layer. Points of the no-remat step's FLOPs, as
-    # the traced count has them.
-    per = graph.count if getattr(brute.spec, "scan", True) else 1
-    base = graph.no_remat_flops
+    share = flops_share(graph, brute.spec)
     flops0 = brute.get(None)["flops"]
     budget = {} if max_compiles is None else {"max_compiles": max_compiles}
     rows = []
@@ -255,7 +251,7 @@ def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
         row: dict[str, Any] = {"hbm": hbm, "best": None if best is None else
                                (None if best[1] is None else list(best[1])),
                                "best_overhead": None if best is None else
-                               per * (best[0] - flops0) / base}
+                               share * (best[0] - flops0)}
         try:
             plan = nr.fit(ms, *brute.spec.abstract_args(), device=device, reserve=0,
                           candidates=list(brute.tags), progress=lambda line: None, **budget)
@@ -275,10 +271,18 @@ def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
                                      and (not rec.measured or rec.bytes == truth["bytes"])),
                        noticed=any("does not follow" in n for n in plan.notes),
                        stop=rec.stop or None,
-                       overhead=per * (truth["flops"] - flops0) / base,
-                       gap=None if best is None else per * (truth["flops"] - best[0]) / base)
+                       overhead=share * (truth["flops"] - flops0),
+                       gap=None if best is None else share * (truth["flops"] - best[0]))
         rows.append(row)
     return rows
+
+
+def flops_share(graph: Any, spec: Any) -> float:
+    """One FLOP of a compiled step's cost analysis as a share of the no-remat step's FLOPs
+    (as the trace counts them): XLA:CPU counts a scan body once, so a FLOP difference
+    there is one layer's, times the layers; an unrolled stack's, every layer's."""
+    per = graph.count if getattr(spec, "scan", True) else 1
+    return per / graph.no_remat_flops
 
 
 def _sizes(brute: Brute, n: int) -> list[int]:

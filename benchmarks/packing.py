@@ -172,8 +172,7 @@ def step_report(name: str, spec: Any, out: Path, sweep: dict[str, Any] | None) -
     pool = pool[:k]
     brute = S.Brute(spec, pool, brute.path)
     modes = ((sweep or {}).get(name) or {}).get("modes", {})
-    per = graph.count if getattr(spec, "scan", True) else 1
-    return analyse(graph, pool, brute.get, modes, per)
+    return analyse(graph, pool, brute.get, modes, S.flops_share(graph, spec))
 
 
 def maxtext_report(out: Path) -> tuple[str, dict[str, Any]]:
@@ -200,14 +199,14 @@ def maxtext_report(out: Path) -> tuple[str, dict[str, Any]]:
     graph = F.step_graph(spec.make_step(), *spec.abstract_args())
     sets = step["sets"]
     return name, analyse(graph, step["tags"], lambda saved: sets[S._key(saved)],
-                         step["modes"], graph.count)
+                         step["modes"], S.flops_share(graph, spec))
 
 
-def analyse(graph: Any, pool: Sequence[str], row_of: Any, modes: dict[str, Any], per: int
-            ) -> dict[str, Any]:
+def analyse(graph: Any, pool: Sequence[str], row_of: Any, modes: dict[str, Any],
+            share: float) -> dict[str, Any]:
     """The report for one step: `row_of(saved)` is a compiled set's brute-force row (bytes,
-    flops; None: no remat), `modes` the sweep's rows by mode, `per` the layers a FLOP
-    difference stands for (a scan's body is counted once)."""
+    flops; None: no remat), `modes` the sweep's rows by mode, `share` one compiled FLOP as
+    a share of the no-remat step's (`fit_sweep.flops_share`)."""
     import importlib  # noqa: PLC0415
 
     import numpy as np  # noqa: PLC0415
@@ -234,8 +233,8 @@ def analyse(graph: Any, pool: Sequence[str], row_of: Any, modes: dict[str, Any],
     full_i, every_i = next(i for i, c in enumerate(cands) if not c.saved), 0
     result["learned"] = learning_curve(
         {"tags": a, "pairs": wide}, y, (full_i, every_i), full)
-    base, f0 = graph.no_remat_flops, row_of(None)["flops"]
-    points = {c.saved: 100 * per * (row_of(c.saved)["flops"] - f0) / base for c in cands}
+    f0 = row_of(None)["flops"]
+    points = {c.saved: 100 * share * (row_of(c.saved)["flops"] - f0) for c in cands}
     designs = {"tags": a, "pairs": wide, f"max_of_{REGIMES[-1]}": tagged}
     memo: dict[tuple[str, int], float] = {}
     for mode in ("memory_analysis", "oracle"):
