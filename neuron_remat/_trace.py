@@ -176,12 +176,24 @@ def _walk(jaxpr: Any, mult: int = 1) -> Iterator[tuple[Any, int]]:
             yield from _walk(sub, mult * m)
 
 
+_COMBINERS = {"update_jaxpr", "select_jaxpr", "scatter_jaxpr"}
+"""Parameters holding the scalar function an op applies per element (a scatter's update, a
+select_and_scatter's selection and update): part of that op, not a program of their own."""
+_REDUCERS = {"reduce", "reduce_window"}
+"""Primitives whose ``jaxpr`` parameter is the scalar function they reduce with."""
+
+
 def _sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, int]]:
-    """(jaxpr, multiplicity) for each jaxpr inside an equation's parameters."""
-    mult = int(eqn.params.get("length", 1)) if str(eqn.primitive) == "scan" else 1
+    """(jaxpr, multiplicity) for each jaxpr inside an equation's parameters that is a
+    program of its own: not the per-element function of a scatter or a reduction (a
+    gather's transpose, in the backward of any indexing, is a scatter-add holding one)."""
+    prim = str(eqn.primitive)
+    mult = int(eqn.params.get("length", 1)) if prim == "scan" else 1
     params = dict(eqn.params)
     hi = params.pop("_prim", None)  # a jax_remat3 primitive keeps its jaxpr in its params
     params.update(getattr(hi, "params", None) or {})
+    for key in _COMBINERS | ({"jaxpr"} if prim in _REDUCERS else set()):
+        params.pop(key, None)
     for value in params.values():
         items = value if isinstance(value, (tuple, list)) else (value,)
         for item in items:

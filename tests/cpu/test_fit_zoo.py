@@ -18,14 +18,17 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax._src.ad_checkpoint import save_only_these_names
+from jax.ad_checkpoint import checkpoint_name
 
 import neuron_remat as nr
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zoo  # noqa: E402
+from jaxpr_names import names_in  # noqa: E402
 from xla_figures import measure as _measure  # noqa: E402
 
 F = importlib.import_module("neuron_remat._fit")
@@ -112,6 +115,36 @@ def test_oracle_keeps_to_max_compiles(small):
     assert plan.compiled.compiles <= 3
     assert any("at most 3 compiles in all" in line for line in lines), lines
     assert _measure(make_step(plan.policy), args)[0] <= hbm
+
+
+def test_a_step_whose_layers_gather_is_read_and_planned():
+    """The backward of a gather (``jnp.take``; axlearn's rotary ``x[..., 1::2]`` on JAX
+    0.8) is a scatter-add holding its update function as a jaxpr, in every layer's
+    recompute: `fit` reads the layers past it (the tags are those JAX emits) and its plan
+    compiles to the figures it states."""
+    def layer(x, w):
+        h = checkpoint_name(x @ w, "proj")
+        rot = jnp.concatenate([-jnp.take(h, jnp.arange(1, 128, 2), axis=-1),
+                               jnp.take(h, jnp.arange(0, 128, 2), axis=-1)], -1)
+        return x + checkpoint_name(jnp.tanh(rot * h), "rot") @ w
+
+    def make_step(policy):
+        body = jax.checkpoint(layer, policy=policy)
+
+        def loss(ws, x):
+            return jnp.sum(jax.lax.scan(lambda h, w: (body(h, w), None), x, ws)[0] ** 2)
+
+        return jax.jit(lambda ws, x: ws - 0.1 * jax.grad(loss)(ws, x), donate_argnums=(0,))
+
+    args = (jax.ShapeDtypeStruct((4, 128, 128), jnp.float32),
+            jax.ShapeDtypeStruct((1024, 128), jnp.float32))
+    graph = F.step_graph(make_step, *args)
+    emitted = names_in(jax.make_jaxpr(make_step(save_only_these_names()))(*args))
+    assert set(graph.tags) == {"proj", "rot"} == emitted
+    full = _measure(make_step(save_only_these_names()), args)[0]
+    plan = nr.fit(make_step, *args, device=_device(full * 1.5), reserve=0)
+    rec = plan.compiled
+    assert _measure(make_step(plan.policy), args) == (rec.bytes, rec.flops)
 
 
 def test_a_step_that_ignores_the_policy_is_reported():
