@@ -56,7 +56,8 @@ nothing is better) and bisects the rest: at most 2 + ceil(log2(frontier - 1)) co
 figures of out-of-memory errors (above the limit) calibrate the model as memory figures do
 (compiles left once the bisection converges go to the walk on that model; when that model
 puts full remat within `TIGHT` x the uncertainty of the limit, one compile more per tag
-goes to it, as the rescue has with memory figures); a set that compiled is at most the
+goes to it, to each tag alone first while nothing better than full remat fits, as the
+rescue has with memory figures); a set that compiled is at most the
 limit, which bounds its tags' effects where the figures put it over; and two out-of-memory
 figures that differ by less than `FOLLOW` of their sets' kept bytes say memory does not
 follow the kept bytes (then every tag saved, as likely to fit as any set, is compiled if
@@ -924,10 +925,11 @@ class _Search:
         bytes say the compiled memory does not follow the kept residuals, and the search
         stops there (`_flat_best`), as with memory figures. When the bisection converges
         with compiles left and such figures calibrated the model, the rest go to `_walk`:
-        sets beside the predicted frontier that the figures say may fit. When the budget
-        is spent (fit's own, not the caller's) and that model puts full remat within
-        `TIGHT` x the uncertainty of the limit (`_tight_by_figures`), the walk gets
-        `stretch` compiles more, as `_rescue` has with memory figures there."""
+        sets beside the predicted frontier that the figures say may fit. Where that model
+        puts full remat within `TIGHT` x the uncertainty of the limit (`_tight_by_figures`),
+        at convergence or once the budget is spent (fit's own, not the caller's), there are
+        `stretch` compiles more, each tag alone first while nothing better than full remat
+        fits (`_stretch_by_figures`), as `_rescue` has with memory figures there."""
         front = _frontier(self.candidates)
         if not self.budget_given:  # a budget the user gave is theirs, larger or smaller
             self.max_compiles = _oracle_cap(len(front))
@@ -957,22 +959,53 @@ class _Search:
         self.stop = ("bisection converged" if lo - hi <= 1
                      else f"the budget of {self.max_compiles} compiles is spent")
         best = front[lo]
+        stretched = False
         if lo - hi <= 1 and self.model is not None and self.used < self.max_compiles:
             # converged with compiles to spare, and out-of-memory figures calibrated the
             # model: the sets beside the frontier that the figures say may fit get the
-            # rest, by expected gain as with memory figures
+            # rest, by expected gain as with memory figures (with the stretch from the
+            # start where those figures put full remat close to the limit, so that the
+            # walk does not hold back a last compile that is not its last)
+            stretched = self._stretch_by_figures()
             self.log("fit: bisection converged; walking beside the frontier with "
                      f"{self.max_compiles - self.used} compiles left")
             best = self._walk() or best
-        if self.model is not None and not self.budget_given \
-                and self.used >= self.max_compiles and self._tight_by_figures():
-            self.max_compiles += self.stretch
-            self.log(f"fit: the out-of-memory figures put full remat within {TIGHT:g} x the "
-                     f"uncertainty of the limit, where the model cannot rank the sets: "
-                     f"{self.stretch} compiles more, as with memory figures (at most "
-                     f"{self.max_compiles})")
+        if not stretched and self.used >= self.max_compiles and self._stretch_by_figures():
             best = self._walk() or best
         return best
+
+    def _stretch_by_figures(self) -> bool:
+        """With the compile as the oracle and fit's own budget: when the model the
+        out-of-memory figures calibrated puts full remat within `TIGHT` x the uncertainty
+        of the limit (`_tight_by_figures`), `stretch` compiles more, as `_rescue` has with
+        memory figures there, and while nothing better than full remat fits, each tag
+        alone first (`_each_tag_alone`), as `_rescue` does. Whether it gave them."""
+        if self.model is None or self.budget_given or not self._tight_by_figures():
+            return False
+        self.max_compiles += self.stretch
+        self.log(f"fit: the out-of-memory figures put full remat within {TIGHT:g} x the "
+                 f"uncertainty of the limit, where the model cannot rank the sets: "
+                 f"{self.stretch} compiles more, as with memory figures (at most "
+                 f"{self.max_compiles})")
+        best = self.best()
+        if best is not None and best.saved == ():
+            self._each_tag_alone()
+        return True
+
+    def _each_tag_alone(self) -> None:
+        """Compile each tag alone not compiled yet, most likely to fit first, until one
+        fits or the budget is spent: saving one tag can compile smaller than saving none
+        (`_rescue`'s second stage, for the oracle when nothing better than full remat
+        fit)."""
+        while self.used < self.max_compiles:
+            alone = {s[0] for s in self.compiled if s and len(s) == 1}
+            singles = [c for c in self.candidates if c.saved and len(c.saved) == 1
+                       and c.saved[0] not in alone]
+            if not singles:
+                return
+            c = max(singles, key=lambda c: (self.chance(c), -c.recompute))
+            if not self._measure(c).over(self.limit):
+                return
 
     def _tight_by_figures(self) -> bool:
         """With the compile as the oracle: whether the model the out-of-memory figures
