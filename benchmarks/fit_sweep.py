@@ -409,6 +409,14 @@ def compile_budget(text: str) -> int:
     return _count(3, what="a compile budget")(text)
 
 
+def tag_count(text: str) -> int:
+    """``--tags``: how many tags a brute force covers, 1 to `MAX_TAGS` (2**8 sets at most),
+    checked as the CLI checks its counts."""
+    from neuron_remat.cli import _count  # noqa: PLC0415
+
+    return _count(1, high=MAX_TAGS, what="a tag count")(text)
+
+
 def stop_reasons(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
     """Why `fit` stopped at the sizes where it missed by more than 2 points (the reason's
     figures left out), and how often: a spent budget, or a model that found nothing

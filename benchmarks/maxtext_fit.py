@@ -55,9 +55,11 @@ def _gap_bins(gaps: Sequence[float]) -> dict[str, int]:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = C.parser(__doc__.splitlines()[0], NAME)
     p.add_argument("--brute-only", action="store_true", help="fill the cache and stop")
-    p.add_argument("--tags", type=int, default=MAX_TAGS,
-                   help=f"tags in the brute force (default {MAX_TAGS}; --small: 3)")
     import fit_sweep as FS  # noqa: PLC0415
+
+    p.add_argument("--tags", type=FS.tag_count, default=MAX_TAGS,
+                   help=f"tags in the brute force (default {MAX_TAGS}, at most "
+                        f"{FS.MAX_TAGS}; --small: 3)")
 
     p.add_argument("--max-compiles", type=FS.compile_budget, default=None, metavar="N",
                    help="give fit this compile budget (max_compiles=N, at least 3) instead "

@@ -363,3 +363,26 @@ def test_packing_maxtext_without_its_inputs_says_so_in_one_line(tmp_path):
     message = str(exit_.value.code)
     assert message.startswith("packing: --maxtext: ") and "\n" not in message, message
     assert ".ci/maxtext_env.sh" in message or "maxtext_fit.py" in message, message
+
+
+@pytest.mark.parametrize("argv, says", [
+    ([], "axlearn_fit: axlearn does not import here"),
+    (["--steps", "fuji"], "--steps: no step 'fuji'"),
+    (["--tags", "9"], "--tags: 9 is out of range"),
+])
+def test_axlearn_fit_bad_input_is_one_line(argv, says, tmp_path, capsys):
+    """benchmarks/axlearn_fit.py where axlearn does not import (this Python), or with a
+    step or tag count it does not have: one line naming it and what is valid, no
+    traceback. (Where axlearn imports, the first case runs the sweep: skipped.)"""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import axlearn_zoo
+
+    if not argv and axlearn_zoo.available() is None:
+        pytest.skip("axlearn imports here: the sweep would run")
+    with benchmarks_on_path(), pytest.raises(SystemExit) as exit_:
+        import axlearn_fit
+
+        axlearn_fit.main([*argv, "--quiet", "--out", str(tmp_path)])
+    message = str(exit_.value.code) if exit_.value.code != 2 else \
+        capsys.readouterr().err.strip().splitlines()[-1]
+    assert says in message and "\n" not in message, message

@@ -1,0 +1,262 @@
+"""axlearn's real layers in a training step, as a held-out step of the zoo (a test fixture).
+
+Needs a real axlearn at commit 34aed43c1b6e581c4753d06d7cbeedd5010ef26b (apple/axlearn,
+2026-07-08; Python 3.12, JAX 0.8.3, the packages README "The tests on a real axlearn" lists
+without the TensorFlow input stack: ``axlearn.common`` imports without it). Nothing here is
+copied from axlearn: the model is axlearn's own ``causal_lm.Model``, configured as Fuji's
+``model_config`` configures it (``axlearn/experiments/text/gpt/fuji.py`` lines 1025-1103 and
+``axlearn/experiments/text/gpt/common.py`` ``model_config``, lines 209-379; those modules
+import seqio, so the few ``set`` calls are repeated here, each cited):
+
+* ``Decoder`` with ``TransformerTextEmbeddings(pos_emb=None)``, an untied ``LmHead``
+  (``shared_lm_head=False``, as Fuji's v3 sizes) and a ``RepeatedTransformerLayer`` (a
+  ``jax.lax.scan`` over the layers) of ``TransformerLayer``s: prenorm
+  ``TransformerAttentionLayer`` with a causal ``GroupedQueryAttention`` whose input linear is
+  ``RoFormerQKVLinear(rotary_value=False)`` around ``FusedGroupedQKVLinear(num_kv_heads)``
+  (rotary embedding, GQA), prenorm ``TransformerFeedForwardLayer`` with
+  ``activation=("nn.silu", "linear")`` (SwiGLU), ``RMSNorm(eps=1e-5, forward_dtype=None)``
+  everywhere (``set_norm_recursively``), no biases (``set_bias_recursively(cfg, False)``),
+  ``DefaultInitializer`` fan-in normal weights, ``model.dtype`` float32;
+* the loss is ``causal_lm.Model``'s own (``Decoder`` logits, axlearn's ``cross_entropy``);
+* the step is the shape of ``SpmdTrainer._train_step`` (``axlearn/common/trainer.py`` lines
+  1281-1316) without its learner: the parameters cast to ``bfloat16`` for the forward pass
+  (Fuji's ``train_dtype = STEP_DTYPE``), the model called under ``functional`` in training
+  mode, ``jax.value_and_grad``, then optax AdamW on the float32 parameters; the state
+  (parameters, optimizer state) is donated (``jax.jit(step, donate_argnums=(0,))``).
+
+The remat policy goes in the way axlearn's ``build_remat_spec`` (``axlearn/common/
+attention.py`` lines 4594-4653) sets it on the ``TransformerLayer`` config inside the stack
+(``update_model_remat_config``, common.py 191-206): a ``RematSpec`` whose ``policy`` is a
+``config_for_function`` returning the given JAX policy, instantiated by
+``BaseLayer._maybe_wrap_with_remat`` (``axlearn/common/base_layer.py`` 531-595), which wraps
+``TransformerLayer.forward`` in ``jax.checkpoint`` inside the scan body. ``prevent_cse`` is
+what ``build_remat_spec`` gives a ``RepeatedTransformerLayer`` (False: the layer runs in a
+scan; True compiles to the same bytes and FLOPs for every save set on XLA:CPU). No remat is ``everything_saveable`` through
+the same path. The tags are axlearn's own, ``"<LayerClass>.<name>"`` from
+``BaseLayer._remat_name`` (base_layer.py 783-797), e.g. ``GroupedQueryAttention.q_proj``,
+``TransformerFeedForwardLayer.linear1_0``.
+
+`STEPS` follows tests/cpu/zoo.py's `Spec` protocol (name, split, note, extra, scan,
+``make_step()`` -> ``policy -> jitted step``, ``abstract_args()``), so
+benchmarks/fit_sweep.py's machinery runs on it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+AXLEARN_COMMIT = "34aed43c1b6e581c4753d06d7cbeedd5010ef26b"
+
+SIZES: dict[str, Any] = dict(
+    num_layers=4, hidden_dim=128, num_heads=4, num_kv_heads=2, ffn_dim=512, vocab_size=256,
+    batch=2, seq=128, rope_theta=5e5)
+"""A tiny Fuji: 4 scanned layers, hidden 128, GQA 4:2 heads of 32, SwiGLU of 512 (Fuji's
+8/3 scaling of 128 rounded up to 256), vocabulary 256, 2 x 128 tokens."""
+
+
+def available() -> str | None:
+    """None when axlearn's layers import here; else why not (a skip reason)."""
+    try:
+        import axlearn.common.attention  # noqa: PLC0415, F401
+        import axlearn.common.causal_lm  # noqa: PLC0415, F401
+    except Exception as err:  # noqa: BLE001 - any reason is a reason to skip
+        return f"axlearn does not import here ({type(err).__name__}: {err})"
+    return None
+
+
+def _policy_fn(policy: Any) -> Any:
+    """For ``config_for_function``: returns `policy` (the JAX remat policy)."""
+    return policy
+
+
+def model_config(sizes: dict[str, Any], policy: Any, prevent_cse: bool,
+                 rope: bool = True) -> Any:
+    """axlearn's ``causal_lm.Model`` config, as Fuji's ``model_config`` (fuji.py 1064-1103)
+    and common.py's ``model_config`` (278-379) build it, `policy` in its ``RematSpec``;
+    without `rope`, the attention's input linear is Fuji's ``FusedGroupedQKVLinear`` alone
+    (no ``RoFormerQKVLinear`` around it)."""
+    import jax.numpy as jnp  # noqa: PLC0415
+    from axlearn.common import causal_lm  # noqa: PLC0415
+    from axlearn.common.attention import (  # noqa: PLC0415
+        FusedGroupedQKVLinear,
+        GroupedQueryAttention,
+        KVCache,
+        RepeatedTransformerLayer,
+        RoFormerQKVLinear,
+        TransformerLayer,
+        set_double_shard_weights_config,
+    )
+    from axlearn.common.base_layer import RematSpec  # noqa: PLC0415
+    from axlearn.common.config import config_for_function  # noqa: PLC0415
+    from axlearn.common.decoder import Decoder, LmHead  # noqa: PLC0415
+    from axlearn.common.embedding import TransformerTextEmbeddings  # noqa: PLC0415
+    from axlearn.common.layers import RMSNorm, set_bias_recursively, set_norm_recursively  # noqa: PLC0415
+    from axlearn.common.param_init import (  # noqa: PLC0415
+        PARAM_REGEXP_WEIGHT,
+        DefaultInitializer,
+        WeightInitializer,
+    )
+
+    s = sizes
+    # fuji.py 1064-1083.
+    activation_fn = ("nn.silu", "linear")
+    atten_cfg = GroupedQueryAttention.default_config()
+    atten_input_linear = FusedGroupedQKVLinear.default_config().set(
+        num_kv_heads=s["num_kv_heads"])
+    if rope:
+        atten_qkv_linear = RoFormerQKVLinear.default_config().set(
+            input_linear=atten_input_linear, rotary_value=False)
+        atten_qkv_linear.input_linear.layer.param_partition_spec = ("fsdp", "model", None)
+        atten_qkv_linear.rope_pos_emb_layer.theta = s["rope_theta"]
+    else:  # Fuji's input linear without its RoFormerQKVLinear wrapper: no rotary embedding
+        atten_qkv_linear = atten_input_linear
+        atten_qkv_linear.layer.param_partition_spec = ("fsdp", "model", None)
+    attention_kv_cache = KVCache.default_config().set(cache_dtype=jnp.bfloat16)
+    stack_cfg = RepeatedTransformerLayer.default_config()
+    # common.py 278-293.
+    layer_cfg = TransformerLayer.default_config()
+    layer_cfg.self_attention.attention = atten_cfg
+    layer_cfg.self_attention.attention.causal = True
+    layer_cfg.self_attention.attention.num_heads = s["num_heads"]
+    layer_cfg.self_attention.attention.input_linear = atten_qkv_linear
+    layer_cfg.self_attention.attention.kv_cache = attention_kv_cache
+    layer_cfg.self_attention.structure = "prenorm"
+    layer_cfg.self_attention.attention.atten_logit_cap = None
+    # update_model_remat_config -> build_remat_spec (attention.py 4641-4653), the policy
+    # replaced by the one under test.
+    layer_cfg.set(remat_spec=RematSpec(
+        prevent_cse=prevent_cse,
+        policy=config_for_function(_policy_fn).set(policy=policy)))
+    # common.py 295-303.
+    set_double_shard_weights_config(
+        layer_cfg, batch_axis_names=("data", "expert", "fsdp"),
+        fsdp_axis_names=("expert", "fsdp", "seq"), tp_axis_names="model",
+        seq_axis_names="seq")
+    # common.py 305-310 (config_dense), 331-333.
+    lm_layer_cfg = layer_cfg.clone()
+    lm_layer_cfg.feed_forward.activation = activation_fn
+    lm_layer_cfg.feed_forward.hidden_dim = s["ffn_dim"]
+    lm_layer_cfg.feed_forward.structure = "prenorm"
+    transformer_cfg = stack_cfg.set(num_layers=s["num_layers"], layer=lm_layer_cfg)
+    # common.py 346-379.
+    decoder_cfg = Decoder.default_config().set(
+        transformer=transformer_cfg, attention_mask=None, dim=s["hidden_dim"],
+        vocab_size=s["vocab_size"],
+        emb=TransformerTextEmbeddings.default_config().set(pos_emb=None),
+        lm_head=LmHead.default_config(), dropout_rate=0.0)
+    model_param_init = DefaultInitializer.default_config().set(init_by_param_name={
+        PARAM_REGEXP_WEIGHT: WeightInitializer.default_config().set(
+            fan="fan_in", distribution="normal")})
+    cfg = causal_lm.Model.default_config().set(
+        decoder=decoder_cfg, param_init=model_param_init, batch_axis_names=None)
+    cfg.dtype = jnp.float32
+    cfg.decoder.logits_partition_spec = (("data", "expert", "fsdp"), "seq", "model")
+    set_bias_recursively(cfg, False)
+    set_norm_recursively(cfg, RMSNorm.default_config().set(eps=1e-5, forward_dtype=None))
+    return cfg
+
+
+@dataclass(frozen=True)
+class AxlearnSpec:
+    """A training step of axlearn's ``causal_lm.Model`` (Fuji's configuration) at `sizes`."""
+
+    name: str
+    sizes: dict[str, Any]
+    prevent_cse: bool = False
+    rope: bool = True
+    split: str = "held-out"
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+    scan: bool = True
+
+    def _model(self, policy: Any) -> Any:
+        return model_config(self.sizes, policy, self.prevent_cse, self.rope) \
+            .set(name="model").instantiate(parent=None)
+
+    def abstract_args(self) -> tuple[Any, Any]:
+        """((abstract float32 parameters, abstract AdamW state), abstract input batch)."""
+        return _abstract_args(self.name, tuple(sorted(self.sizes.items())),
+                              self.prevent_cse, self.rope)
+
+    def make_step(self) -> Callable[[Any], Any]:
+        def make(policy: Any) -> Any:
+            return _make(self, policy)
+
+        return make
+
+
+def _optimizer() -> Any:
+    import optax  # noqa: PLC0415
+
+    return optax.adamw(1e-3, weight_decay=0.1)
+
+
+@functools.lru_cache(maxsize=None)
+def _abstract_args(name: str, sizes: tuple[tuple[str, Any], ...],
+                   prevent_cse: bool, rope: bool) -> tuple[Any, Any]:
+    del name
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    s = dict(sizes)
+    model = model_config(s, jax.checkpoint_policies.nothing_saveable, prevent_cse, rope) \
+        .set(name="model").instantiate(parent=None)
+    tx = _optimizer()
+
+    def state() -> Any:
+        params = model.initialize_parameters_recursively(jax.random.PRNGKey(0))
+        return params, tx.init(params)
+
+    batch = {"input_ids": jax.ShapeDtypeStruct((s["batch"], s["seq"]), jnp.int32),
+             "target_labels": jax.ShapeDtypeStruct((s["batch"], s["seq"]), jnp.int32)}
+    return jax.eval_shape(state), batch
+
+
+def _make(spec: AxlearnSpec, policy: Any) -> Any:
+    """The jitted, state-donating step of `spec`'s model with `policy` in its RematSpec."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import optax  # noqa: PLC0415
+    from axlearn.common import utils  # noqa: PLC0415
+    from axlearn.common.module import functional  # noqa: PLC0415
+
+    model = spec._model(policy)  # noqa: SLF001
+    tx = _optimizer()
+
+    def loss_fn(params: Any, batch: Any) -> Any:
+        # SpmdTrainer._train_step's train_cast (trainer.py 1286-1288, 1306).
+        params = utils.cast_floats(params, to_dtype=jnp.bfloat16)
+        (loss, _), _ = functional(model, prng_key=jax.random.PRNGKey(1), state=params,
+                                  inputs=dict(input_batch=batch), is_training=True)
+        return loss
+
+    def step(state: Any, batch: Any) -> tuple[Any, Any]:
+        params, opt = state
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        updates, opt = tx.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), opt), loss
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+_FUJI = ("axlearn's causal_lm.Model as Fuji configures it (RepeatedTransformerLayer of 4 "
+         "TransformerLayers: RMSNorm, GQA 4:2 via FusedGroupedQKVLinear, SwiGLU), untied "
+         "LmHead, axlearn's cross entropy, bf16 forward over f32 weights, optax AdamW, "
+         "donated state")
+
+STEPS: dict[str, AxlearnSpec] = {s.name: s for s in [
+    AxlearnSpec(
+        "axlearn-fuji", SIZES, prevent_cse=False, rope=True,
+        note=_FUJI + "; RoPE (RoFormerQKVLinear); RematSpec(prevent_cse=False) as "
+             "build_remat_spec gives a scanned stack"),
+    AxlearnSpec(
+        "axlearn-fuji-norope", SIZES, prevent_cse=False, rope=False,
+        note=_FUJI + "; no RoPE (FusedGroupedQKVLinear alone); RematSpec(prevent_cse=False)"),
+]}
+"""axlearn's steps, by name. ``axlearn-fuji`` is Fuji's layer as configured (rotary
+embedding included: ``rotate_half``'s strided slices, attention.py 1337-1338, are gathers on
+JAX 0.8.3, so the layer's backward holds scatter-adds); ``axlearn-fuji-norope`` drops
+``RoFormerQKVLinear``, a structurally different attention."""

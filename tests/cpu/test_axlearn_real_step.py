@@ -1,0 +1,67 @@
+"""`fit` on a training step of axlearn's real layers (tests/cpu/axlearn_zoo.py), held to JAX
+and XLA.
+
+Skipped unless axlearn imports (a real checkout at the commit axlearn_zoo cites, Python
+3.12, JAX 0.8.3: README, "The tests on a real axlearn"). The step is held out: nothing in
+`fit` was tuned on it. Its layer is Fuji's, rotary embedding included, whose strided
+slices JAX 0.8 lowers to gathers: the layer's backward holds a scatter-add, which the
+trace once took for a program of its own and refused.
+
+* every tag in the step's jaxpr (axlearn's own ``"<LayerClass>.<name>"`` names) is one
+  `fit` reads from the step's checkpointed layers;
+* at a size between full remat and no remat, the plan's policy, compiled, fits and has
+  the figures the plan states.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import axlearn_zoo as az
+from xla_figures import compiled_bytes, compiled_flops
+
+_WHY = az.available()
+pytestmark = pytest.mark.skipif(_WHY is not None, reason=str(_WHY))
+
+SPEC = az.STEPS["axlearn-fuji"]
+
+
+@pytest.fixture(scope="module")
+def step():
+    import jax
+
+    make_step, args = SPEC.make_step(), SPEC.abstract_args()
+    full = make_step(jax.checkpoint_policies.save_only_these_names()).lower(*args).compile()
+    none = make_step(jax.checkpoint_policies.everything_saveable).lower(*args).compile()
+    return make_step, args, compiled_bytes(full), compiled_bytes(none)
+
+
+def test_fit_reads_every_tag_axlearn_emits(step):
+    import importlib
+
+    import jax
+    from jaxpr_names import names_in
+
+    make_step, args, _, _ = step
+    emitted = names_in(jax.make_jaxpr(make_step(
+        jax.checkpoint_policies.save_only_these_names()))(*args))
+    assert {"GroupedQueryAttention.q_proj", "GroupedQueryAttention.k_proj",
+            "GroupedQueryAttention.o_proj", "TransformerFeedForwardLayer.linear1_0",
+            "TransformerFeedForwardLayer.linear1_1"} <= emitted, emitted
+    graph = importlib.import_module("neuron_remat._fit").step_graph(make_step, *args)
+    assert set(graph.tags) == emitted
+
+
+def test_fit_between_full_and_no_remat_states_its_compile(step):
+    import neuron_remat as nr
+
+    make_step, args, full, none = step
+    assert none > 1.4 * full  # a scanned stack: no remat keeps every layer's activations
+    hbm = int(full + 0.3 * (none - full))
+    device = nr.parse_device(f"trn2.48xlarge:hbm={hbm}B:cores=1", source="test")
+    plan = nr.fit(make_step, *args, device=device, reserve=0, progress=lambda line: None)
+    compiled = make_step(plan.policy).lower(*args).compile()
+    rec = plan.compiled
+    assert compiled_bytes(compiled) <= hbm
+    assert rec.measured and (rec.bytes, rec.flops) == (compiled_bytes(compiled),
+                                                        compiled_flops(compiled))
