@@ -22,9 +22,9 @@ benchmarks/fit_sweep.py's brute force and sweep:
 3. per mode: whether each plan fits, the gap in points of step FLOPs to the best compiled
    set that fits, the gap distribution, refusals while some set fits, the compiles.
 
-A step `fit` cannot read (its trace raises, e.g. an equation neuron_remat does not follow)
-is reported with the error and skipped. ``--small``: three tags, ten sizes; ``--steps``:
-only these steps.
+A step `fit` refuses to read (a ValueError, e.g. an equation neuron_remat does not follow)
+is reported with the error, the other steps are swept, and the script then exits non-zero.
+``--small``: three tags, ten sizes; ``--steps A,B``: only these steps.
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tags", type=FS.tag_count, default=MAX_TAGS,
                    help=f"tags in the brute force (default {MAX_TAGS}, at most "
                         f"{FS.MAX_TAGS}; --small: 3)")
-    p.add_argument("--steps", nargs="+", default=None, metavar="NAME",
-                   help="only these steps of tests/cpu/axlearn_zoo.py (default: all)")
+    p.add_argument("--steps", default=None,
+                   help="comma-separated steps of tests/cpu/axlearn_zoo.py (default all)")
     p.add_argument("--max-compiles", type=FS.compile_budget, default=None, metavar="N",
                    help="give fit this compile budget (max_compiles=N, at least 3) instead "
                         "of its own, as fit_sweep.py's option")
@@ -65,7 +65,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     sys.path.insert(0, str(C.REPO / "tests" / "cpu"))
     import axlearn_zoo as az  # noqa: PLC0415
 
-    unknown = [n for n in args.steps or () if n not in az.STEPS]
+    names = list(az.STEPS) if args.steps is None else args.steps.split(",")
+    unknown = [n for n in names if n not in az.STEPS]
     if unknown:
         p.error(f"--steps: no step {unknown[0]!r} in tests/cpu/axlearn_zoo.py; valid: "
                 f"{', '.join(az.STEPS)}")
@@ -75,57 +76,35 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"axlearn_fit: {why}; install axlearn (README, 'The tests on a real "
                          "axlearn') and run this script with that python")
     say = C.Printer(args.quiet)
-    import zoo  # noqa: PLC0415
-
     F = importlib.import_module("neuron_remat._fit")
     logging.getLogger("neuron_remat.fit").setLevel(logging.ERROR)
     max_tags, n_sizes = (3, 10) if args.small else (args.tags, 100)
-    steps = az.STEPS if args.steps is None else {n: az.STEPS[n] for n in args.steps}
+    steps = {n: az.STEPS[n] for n in names}
     result: dict[str, Any] = {"axlearn_commit": az.AXLEARN_COMMIT, "max_tags": max_tags,
                               "max_compiles": args.max_compiles, "steps": {}}
     lines: list[str] = []
+    unread = []
     for name, spec in steps.items():
-        make_step, step_args = spec.make_step(), spec.abstract_args()
         try:
-            graph = F.step_graph(make_step, *step_args)
-        except Exception as err:  # noqa: BLE001 - reported, the other steps still run
+            graph = F.step_graph(spec.make_step(), *spec.abstract_args())
+        except ValueError as err:  # fit's own refusal (UnsupportedPrimitiveError, ...)
             error = f"{type(err).__name__}: {err}"
-            say(f"{name}: fit cannot read the step: {error}")
             result["steps"][name] = {"note": spec.note, "fit_error": error}
             lines.append(f"{name} (axlearn {az.AXLEARN_COMMIT[:8]}): fit cannot read the "
                          f"step: {error}")
+            unread.append(name)
             continue
-        pool = F._pool(graph, None)[:max_tags]  # noqa: SLF001
-        say(f"{name}: axlearn emits {', '.join(graph.tags)}; brute force over "
-            f"{', '.join(pool)}")
-        brute = FS.Brute(spec, pool, args.out / "axlearn_brute" / f"{name}.json")
-        seconds = brute.fill(say)
-        if args.brute_only:
-            continue
-        full, none = brute.get(())["bytes"], brute.get(None)["bytes"]
-        smallest = min(brute.get(s)["bytes"] for s in brute.sets())
-        step: dict[str, Any] = {"note": spec.note, "tags": list(pool),
-                                "emitted": list(graph.tags),
-                                "brute_seconds": seconds, "full_remat_bytes": full,
-                                "no_remat_bytes": none, "smallest_bytes": smallest,
-                                "sets": {FS._key(s): brute.get(s) for s in brute.sets()},  # noqa: SLF001
-                                "modes": {}}
-        sizes = FS._sizes(brute, n_sizes)  # noqa: SLF001
-        n_front = len(F._frontier(F._candidates(graph, pool)))  # noqa: SLF001
-        lines.append(f"{name} (axlearn {az.AXLEARN_COMMIT[:8]}): full remat "
-                     f"{full / MiB:.2f} MiB, no remat {none / MiB:.2f} MiB, smallest set "
-                     f"{smallest / MiB:.2f} MiB; {len(sizes)} sizes, tags {', '.join(pool)}")
-        for mode in ("memory_analysis", "oracle"):
-            rows = FS.sweep_step(brute, mode, sizes, graph, F, zoo, args.max_compiles)
-            summary = FS._summary(rows, n_front, mode == "oracle")  # noqa: SLF001
-            gaps = [r["gap"] for r in rows if r.get("gap") is not None]
-            summary["gap_bins"] = MF._gap_bins(gaps)  # noqa: SLF001
-            step["modes"][mode] = {"summary": summary, "rows": rows}
-            lines += MF._report(mode, summary, rows)  # noqa: SLF001
-            if stopped := FS.why_stopped(rows):
-                lines.append(f"  {stopped}")
-        result["steps"][name] = step
-    return C.finish(args, NAME, result, "\n".join(lines), say)
+        step, more = MF.sweep_real_step(name, spec, graph, "axlearn", az.AXLEARN_COMMIT[:8],
+                                        args.out / "axlearn_brute", max_tags, n_sizes,
+                                        args.max_compiles, args.brute_only, say)
+        lines += more
+        if step is not None:
+            result["steps"][name] = step
+    finished = C.finish(args, NAME, result, "\n".join(lines), say)
+    if unread:
+        raise SystemExit(f"axlearn_fit: fit cannot read {', '.join(unread)} (the report "
+                         "says why); the other steps were swept")
+    return finished
 
 
 if __name__ == "__main__":

@@ -74,8 +74,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if why is not None:
         raise SystemExit(f"maxtext_fit: {why}; build the environment with "
                          ".ci/maxtext_env.sh and run this script with its python")
-    import zoo  # noqa: PLC0415
-
     F = importlib.import_module("neuron_remat._fit")
     logging.getLogger("neuron_remat.fit").setLevel(logging.ERROR)
     max_tags, n_sizes = (3, 10) if args.small else (args.tags, 100)
@@ -83,38 +81,56 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                               "max_compiles": args.max_compiles, "steps": {}}
     lines: list[str] = []
     for name, spec in mz.STEPS.items():
-        make_step, step_args = spec.make_step(), spec.abstract_args()
-        graph = F.step_graph(make_step, *step_args)
-        pool = F._pool(graph, None)[:max_tags]  # noqa: SLF001
-        say(f"{name}: MaxText emits {', '.join(graph.tags)}; brute force over "
-            f"{', '.join(pool)}")
-        brute = FS.Brute(spec, pool, args.out / "maxtext_brute" / f"{name}.json")
-        seconds = brute.fill(say)
-        if args.brute_only:
-            continue
-        full, none = brute.get(())["bytes"], brute.get(None)["bytes"]
-        smallest = min(brute.get(s)["bytes"] for s in brute.sets())
-        step: dict[str, Any] = {"tags": list(pool), "emitted": list(graph.tags),
-                                "brute_seconds": seconds, "full_remat_bytes": full,
-                                "no_remat_bytes": none, "smallest_bytes": smallest,
-                                "sets": {FS._key(s): brute.get(s) for s in brute.sets()},
-                                "modes": {}}
-        sizes = FS._sizes(brute, n_sizes)  # noqa: SLF001
-        n_front = len(F._frontier(F._candidates(graph, pool)))  # noqa: SLF001
-        lines.append(f"{name} (MaxText {mz.MAXTEXT_VERSION}): full remat "
-                     f"{full / MiB:.2f} MiB, no remat {none / MiB:.2f} MiB, smallest set "
-                     f"{smallest / MiB:.2f} MiB; {len(sizes)} sizes, tags {', '.join(pool)}")
-        for mode in ("memory_analysis", "oracle"):
-            rows = FS.sweep_step(brute, mode, sizes, graph, F, zoo, args.max_compiles)
-            summary = FS._summary(rows, n_front, mode == "oracle")  # noqa: SLF001
-            gaps = [r["gap"] for r in rows if r.get("gap") is not None]
-            summary["gap_bins"] = _gap_bins(gaps)
-            step["modes"][mode] = {"summary": summary, "rows": rows}
-            lines += _report(mode, summary, rows)
-            if why := FS.why_stopped(rows):
-                lines.append(f"  {why}")
-        result["steps"][name] = step
+        graph = F.step_graph(spec.make_step(), *spec.abstract_args())
+        step, more = sweep_real_step(name, spec, graph, "MaxText", mz.MAXTEXT_VERSION,
+                                     args.out / "maxtext_brute", max_tags, n_sizes,
+                                     args.max_compiles, args.brute_only, say)
+        lines += more
+        if step is not None:
+            result["steps"][name] = step
     return C.finish(args, NAME, result, "\n".join(lines), say)
+
+
+def sweep_real_step(name: str, spec: Any, graph: Any, host: str, version: str,
+                    brute_dir: Path, max_tags: int, n_sizes: int, max_compiles: int | None,
+                    brute_only: bool, say: Any) -> tuple[dict[str, Any] | None, list[str]]:
+    """One step of a host library's real code (MaxText's, axlearn's; `graph` its
+    `step_graph`): the brute force over its `max_tags` most useful tags, cached in
+    `brute_dir`, then `fit` at `n_sizes` + 1 sizes in both modes (fit_sweep's sweep). Its
+    JSON (None with `brute_only`) and its report lines."""
+    import fit_sweep as FS  # noqa: PLC0415
+    import zoo  # noqa: PLC0415
+
+    F = importlib.import_module("neuron_remat._fit")
+    pool = F._pool(graph, None)[:max_tags]  # noqa: SLF001
+    say(f"{name}: {host} emits {', '.join(graph.tags)}; brute force over {', '.join(pool)}")
+    brute = FS.Brute(spec, pool, brute_dir / f"{name}.json")
+    seconds = brute.fill(say)
+    if brute_only:
+        return None, []
+    full, none = brute.get(())["bytes"], brute.get(None)["bytes"]
+    smallest = min(brute.get(s)["bytes"] for s in brute.sets())
+    step: dict[str, Any] = {"note": getattr(spec, "note", ""), "tags": list(pool),
+                            "emitted": list(graph.tags), "brute_seconds": seconds,
+                            "full_remat_bytes": full, "no_remat_bytes": none,
+                            "smallest_bytes": smallest,
+                            "sets": {FS._key(s): brute.get(s) for s in brute.sets()},  # noqa: SLF001
+                            "modes": {}}
+    sizes = FS._sizes(brute, n_sizes)  # noqa: SLF001
+    n_front = len(F._frontier(F._candidates(graph, pool)))  # noqa: SLF001
+    lines = [f"{name} ({host} {version}): full remat {full / MiB:.2f} MiB, no remat "
+             f"{none / MiB:.2f} MiB, smallest set {smallest / MiB:.2f} MiB; {len(sizes)} "
+             f"sizes, tags {', '.join(pool)}"]
+    for mode in ("memory_analysis", "oracle"):
+        rows = FS.sweep_step(brute, mode, sizes, graph, F, zoo, max_compiles)
+        summary = FS._summary(rows, n_front, mode == "oracle")  # noqa: SLF001
+        gaps = [r["gap"] for r in rows if r.get("gap") is not None]
+        summary["gap_bins"] = _gap_bins(gaps)
+        step["modes"][mode] = {"summary": summary, "rows": rows}
+        lines += _report(mode, summary, rows)
+        if why := FS.why_stopped(rows):
+            lines.append(f"  {why}")
+    return step, lines
 
 
 def _report(mode: str, s: dict[str, Any], rows: Sequence[dict[str, Any]]) -> list[str]:

@@ -1202,15 +1202,18 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
         reserve: HBM held back per core: a fraction (float) or bytes (int). By default
             only the Neuron runtime's share on a full-size device: the compiled figure
             already holds the step's temporaries.
-        **plan_options: ``candidates`` (tags to consider), ``max_compiles`` (default 6 up
-            to 8 tags, and with the compile as the oracle 2 + ceil(log2(frontier - 1));
-            either one more per tag where full remat fits, or is predicted, within 3 x
-            the uncertainty of the limit; at least 3), ``progress`` (called with one line per compile and
-            the search's plan and end), ``band`` (the uncertainty of a prediction before
-            any compile has missed, a share of full remat's bytes; 0.02), ``runner_ups``
-            (how many to list; 3), ``per_layer`` (True: then a mix of save sets over the
-            layers, no remat among them, compiled to confirm it: `fit_per_layer`) and
-            ``max_sets`` (distinct sets in that mix; 2).
+        **plan_options: ``candidates`` (tags to consider), ``max_compiles`` (at least 3;
+            default 6 up to 8 tags, and with the compile as the oracle 2 +
+            ceil(log2(frontier - 1)); with memory figures one more per tag where full
+            remat does not fit or fits within 3 x the uncertainty of the limit, a budget
+            given too; with the compile as the oracle one more per tag where its
+            out-of-memory figures put full remat that close, unless a budget was given),
+            ``progress`` (called with one line per compile and the search's plan and
+            end), ``band`` (the uncertainty of a prediction before any compile has
+            missed, a share of full remat's bytes; 0.02), ``runner_ups`` (how many to
+            list; 3), ``per_layer`` (True: then a mix of save sets over the layers, no
+            remat among them, compiled to confirm it: `fit_per_layer`) and ``max_sets``
+            (distinct sets in that mix; 2).
 
     Returns a `Plan` whose `Plan.policy` is exactly what was compiled (no remat:
     ``jax.checkpoint_policies.everything_saveable``) and whose `Plan.compiled` holds that
