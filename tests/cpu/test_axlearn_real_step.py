@@ -8,12 +8,15 @@ slices JAX 0.8 lowers to gathers: the layer's backward holds a scatter-add, whic
 trace once took for a program of its own and refused.
 
 * every tag in the step's jaxpr (axlearn's own ``"<LayerClass>.<name>"`` names) is one
-  `fit` reads from the step's checkpointed layers;
+  `fit` reads from the step's checkpointed layers, and the bytes its graph keeps for each
+  of the 6 most useful tags alone and each pair are those JAX's ``saved_residuals`` lists;
 * at a size between full remat and no remat, the plan's policy, compiled, fits and has
   the figures the plan states.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 
@@ -50,6 +53,47 @@ def test_fit_reads_every_tag_axlearn_emits(step):
             "TransformerFeedForwardLayer.linear1_1"} <= emitted, emitted
     graph = importlib.import_module("neuron_remat._fit").step_graph(make_step, *args)
     assert set(graph.tags) == emitted
+
+
+def _jax_kept(saved, args):
+    """Bytes of the residuals JAX's ``saved_residuals`` lists for the step's loss under
+    ``save_only_these_names(*saved)``, arguments left out."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from axlearn.common import utils
+    from axlearn.common.module import functional
+
+    from neuron_remat._jax_compat import saved_residuals
+
+    model = SPEC._model(jax.checkpoint_policies.save_only_these_names(*saved))  # noqa: SLF001
+
+    def loss_fn(params, batch):  # the step's loss (axlearn_zoo._make)
+        params = utils.cast_floats(params, to_dtype=jnp.bfloat16)
+        (loss, _), _ = functional(model, prng_key=jax.random.PRNGKey(1), state=params,
+                                  inputs=dict(input_batch=batch), is_training=True)
+        return loss
+
+    (params, _), batch = args
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
+               for a, why in saved_residuals(loss_fn, params, batch)
+               if not why.startswith("from the argument"))
+
+
+def test_kept_bytes_are_jaxs_for_each_tag_and_pair(step):
+    """The graph `fit` reads keeps, over full remat, what JAX lists for the step: each of
+    its 6 most useful tags alone and each pair (the rotary embedding's gathers included;
+    JAX 0.8.3 is axlearn's pin)."""
+    import importlib
+
+    F = importlib.import_module("neuron_remat._fit")
+    make_step, args, _, _ = step
+    graph = F.step_graph(make_step, *args)
+    pool = F._pool(graph, None)[:6]  # noqa: SLF001
+    assert len(pool) == 6
+    base, jax_base = graph.kept_bytes(()), _jax_kept((), args)
+    for saved in [*itertools.combinations(pool, 1), *itertools.combinations(pool, 2)]:
+        assert graph.kept_bytes(saved) - base == _jax_kept(saved, args) - jax_base, saved
 
 
 def test_fit_between_full_and_no_remat_states_its_compile(step):
