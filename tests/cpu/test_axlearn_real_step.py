@@ -11,7 +11,9 @@ trace once took for a program of its own and refused.
   `fit` reads from the step's checkpointed layers, and the bytes its graph keeps for each
   of the 6 most useful tags alone and each pair are those JAX's ``saved_residuals`` lists;
 * at a size between full remat and no remat, the plan's policy, compiled, fits and has
-  the figures the plan states.
+  the figures the plan states;
+* the traced footprint of Fuji's ``TransformerLayer`` (bfloat16): JAX's tags, and its kept
+  bytes on 20 save sets equal to ``saved_residuals``'s.
 """
 
 from __future__ import annotations
@@ -94,6 +96,64 @@ def test_kept_bytes_are_jaxs_for_each_tag_and_pair(step):
     base, jax_base = graph.kept_bytes(()), _jax_kept((), args)
     for saved in [*itertools.combinations(pool, 1), *itertools.combinations(pool, 2)]:
         assert graph.kept_bytes(saved) - base == _jax_kept(saved, args) - jax_base, saved
+
+
+@pytest.fixture(scope="module")
+def fuji_layer():
+    """axlearn's ``TransformerLayer`` as the step's stack holds it (Fuji's, RoPE included),
+    bfloat16 parameters and input: (layer function of (params, x), params, x)."""
+    import jax
+    import jax.numpy as jnp
+    from axlearn.common.module import functional
+
+    cfg = az.model_config(az.SIZES, jax.checkpoint_policies.nothing_saveable,
+                          prevent_cse=False, rope=True)
+    layer = cfg.decoder.transformer.layer.clone(
+        name="layer", input_dim=az.SIZES["hidden_dim"]).instantiate(parent=None)
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16),
+                          layer.initialize_parameters_recursively(jax.random.PRNGKey(0)))
+    x = jnp.ones((az.SIZES["batch"], az.SIZES["seq"], az.SIZES["hidden_dim"]), jnp.bfloat16)
+
+    def fn(params, x):
+        out, _ = functional(layer, prng_key=jax.random.PRNGKey(1), state=params,
+                            inputs=dict(data=x), is_training=True)
+        return out.data
+
+    return fn, params, x
+
+
+def test_traced_footprint_of_fujis_layer_is_jaxs(fuji_layer):
+    """`traced_footprint` of axlearn's layer (bfloat16, rotary embedding): every tag JAX's
+    VJP jaxpr holds, and kept bytes equal to ``saved_residuals``'s (the layer input
+    counted, the parameters not) for no tag, every tag, each alone and each left out."""
+    import jax
+    import numpy as np
+    from jaxpr_names import names_in
+
+    import neuron_remat as nr
+    from neuron_remat._jax_compat import saved_residuals
+
+    fn, params, x = fuji_layer
+    fp = nr.traced_footprint(fn, params, x, activation_argnums=1)
+    emitted = names_in(jax.make_jaxpr(lambda p, x: jax.vjp(fn, p, x))(params, x))
+    assert set(fp) == emitted and len(emitted) == 9, (sorted(fp), sorted(emitted))
+
+    def jax_kept(saved):
+        f = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*saved))
+        total = 0
+        for aval, why in saved_residuals(f, params, x):
+            nbytes = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+            if why.startswith("from the argument"):  # the input yes, the parameters no
+                total += nbytes if (aval.shape, aval.dtype) == (x.shape, x.dtype) else 0
+            else:
+                total += nbytes
+        return total
+
+    tags = sorted(fp)
+    subsets = [(), tuple(tags), *((t,) for t in tags),
+               *(tuple(u for u in tags if u != t) for t in tags)]
+    for saved in subsets:
+        assert fp.evaluate(saved)[0] == jax_kept(saved), saved
 
 
 def test_fit_between_full_and_no_remat_states_its_compile(step):
