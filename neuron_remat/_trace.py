@@ -9,7 +9,9 @@ per shard are bytes per core); a custom VJP's residuals are what its forward ret
 ``custom_lin`` reads them); ``scan`` bodies are inlined with their values stacked over the
 scan's length and their work times it; a ``cond`` counts its costliest branch (named in
 `Footprint.notes`); a ``while`` whose trip count JAX cannot know is one opaque op counting
-one iteration (named). Any other primitive holding a jaxpr is an error naming it.
+one iteration (named), and so is a Pallas kernel (``pallas_call``: its cost estimate's
+FLOPs; named). A scatter's update function and a reduction's are part of that op. Any
+other primitive holding a jaxpr is an error naming it.
 """
 
 from __future__ import annotations
@@ -181,6 +183,10 @@ _COMBINERS = {"update_jaxpr", "select_jaxpr", "scatter_jaxpr"}
 select_and_scatter's selection and update): part of that op, not a program of their own."""
 _REDUCERS = {"reduce", "reduce_window"}
 """Primitives whose ``jaxpr`` parameter is the scalar function they reduce with."""
+_KERNELS = {"pallas_call"}
+"""Primitives whose ``jaxpr`` parameter is a kernel's body (over memory references, run at
+each point of a grid): the kernel is one opaque op, its FLOPs its own cost estimate
+(`eqn_flops`). No tag can be applied inside one."""
 
 
 def _sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, int]]:
@@ -192,7 +198,7 @@ def _sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, int]]:
     params = dict(eqn.params)
     hi = params.pop("_prim", None)  # a jax_remat3 primitive keeps its jaxpr in its params
     params.update(getattr(hi, "params", None) or {})
-    for key in _COMBINERS | ({"jaxpr"} if prim in _REDUCERS else set()):
+    for key in _COMBINERS | ({"jaxpr"} if prim in _REDUCERS | _KERNELS else set()):
         params.pop(key, None)
     for value in params.values():
         items = value if isinstance(value, (tuple, list)) else (value,)
@@ -379,6 +385,8 @@ def eqn_flops(eqn: Any) -> int:
     output elements, nothing for data movement or transcendental functions (counted apart),
     except ``logistic``, which XLA expands to negate, exp, add and divide (3 FLOPs)."""
     name = str(eqn.primitive)
+    if name in _KERNELS:  # what the kernel's author estimated (CostEstimate.flops), or 0
+        return int(getattr(eqn.params.get("cost_estimate"), "flops", 0) or 0)
     if name == "dot_general":
         (lhs_contract, _), _ = eqn.params["dimension_numbers"]
         lhs = eqn.invars[0].aval.shape
@@ -504,8 +512,10 @@ def jaxpr_graph(jaxpr: Any, *, unknown: Sequence[bool],
     Primitives holding jaxprs are followed as the module docstring says: calls and
     ``shard_map`` inlined (per-shard shapes), ``scan`` bodies inlined with each value
     stacked over the length (a leading dimension) and each op's FLOPs times it, a ``cond``'s
-    costliest branch inlined, a ``while`` one opaque op counting one iteration, and
-    ``optimization_barrier`` the identity. Any other primitive holding a jaxpr raises
+    costliest branch inlined, a ``while`` one opaque op counting one iteration, a
+    ``pallas_call`` kernel one opaque op of its cost estimate's FLOPs, and
+    ``optimization_barrier`` the identity; a scatter's or a reduction's per-element function
+    is part of that op. Any other primitive holding a jaxpr raises
     `UnsupportedPrimitiveError`.
     """
     return _build(jaxpr, unknown, activation).graph
@@ -713,6 +723,12 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
                 while_loop(eqn, ins, env, lead)
             elif prim == "optimization_barrier":
                 env.update(zip(eqn.outvars, ins))
+            elif prim in _KERNELS:
+                note = (f"a {prim} kernel: one opaque op, its FLOPs its cost estimate's (0 "
+                        "where it gives none)")
+                if note not in notes:
+                    notes.append(note)
+                plain(eqn, ins, env, lead, eqn_flops(eqn))
             elif any(True for _ in _sub_jaxprs(eqn)):
                 raise UnsupportedPrimitiveError(
                     f"the traced program holds a jaxpr inside a {prim!r} equation, which "

@@ -43,7 +43,7 @@ from jax.extend import core as jcore
 import flash_reference as fr
 from jaxpr_names import names_in
 import neuron_remat as nr
-from neuron_remat import _jax_compat, planner, policies
+from neuron_remat import _jax_compat, _trace, planner, policies
 
 HERE = pathlib.Path(__file__).parent
 
@@ -472,6 +472,49 @@ def test_a_reduction_with_its_own_function_is_one_op():
     for subset in _subsets(list(fp), True):
         want = jax_kept(jax.checkpoint(layer, policy=_policy(subset)), (w, x), 1)[0]
         assert fp.evaluate(subset)[0] == want, subset
+
+
+def test_a_pallas_kernel_is_one_op_of_its_cost_estimate():
+    """A Pallas kernel (``pallas_call``; TPU splash and GPU flash attention are ones) holds
+    its body as a jaxpr over memory references: one opaque op, whose FLOPs are the cost
+    estimate its author gave, named in the notes. Here (interpreted on the CPU) inside a
+    custom VJP, as attention kernels are called: JAX's tags are read and the kept bytes are
+    JAX's on every subset."""
+    from jax.experimental import pallas as pl
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jnp.tanh(x_ref[...]) * 2.0
+
+    def tanh2(x):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                              interpret=True, cost_estimate=pl.CostEstimate(
+                                  flops=3 * x.size, transcendentals=x.size,
+                                  bytes_accessed=8 * x.size))(x)
+
+    @jax.custom_vjp
+    def act(x):
+        return tanh2(x)
+
+    def act_fwd(x):
+        y = tanh2(x)
+        return y, y
+
+    act.defvjp(act_fwd, lambda y, g: (g * (2.0 - y * y / 2.0),))
+
+    def layer(w, x):
+        h = checkpoint_name(x @ w, "proj")
+        return x + checkpoint_name(act(h), "act") @ w
+
+    w, x = jnp.ones((8, 8)) / 8, jnp.ones((4, 8))
+    fp = nr.traced_footprint(layer, w, x, activation_argnums=1)
+    assert set(fp) == {"proj", "act"} == _emitted_by_jax(layer, (w, x))
+    assert any("pallas_call kernel: one opaque op" in n for n in fp.notes), fp.notes
+    for subset in _subsets(list(fp), True):
+        want = jax_kept(jax.checkpoint(layer, policy=_policy(subset)), (w, x), 1)[0]
+        assert fp.evaluate(subset)[0] == want, subset
+    kernels = [e for e in jax.make_jaxpr(tanh2)(x).jaxpr.eqns
+               if str(e.primitive) == "pallas_call"]
+    assert [_trace.eqn_flops(e) for e in kernels] == [3 * 4 * 8]
 
 
 def test_an_unknown_primitive_holding_a_jaxpr_is_named():
