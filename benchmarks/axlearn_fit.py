@@ -9,18 +9,10 @@ tests/cpu/axlearn_zoo.py's: axlearn's own ``causal_lm.Model`` as Fuji configures
 ``FusedGroupedQKVLinear``, SwiGLU; untied ``LmHead``; axlearn's cross entropy), bf16 forward
 over f32 weights, optax AdamW, donated state, the policy in the layer's ``RematSpec``. They
 are held out: nothing in `fit` was tuned on them. Everything else is
-benchmarks/maxtext_fit.py's, imported (its gap bins and report) with
-benchmarks/fit_sweep.py's brute force and sweep:
-
-1. the brute force: every subset of the `MAX_TAGS` (``--tags``, at most 8) most useful tags
-   axlearn emits, and no remat, compiled on XLA:CPU once (``--xla_backend_optimization_level=0``)
-   and cached by save set in ``OUT/axlearn_brute/<step>.json`` (delete it to recompile);
-2. HBM sizes every 1% of the range from the smallest compiled step to 5% above no remat,
-   one simulated core, no reserve; `fit` at each, its compiles served from the cache
-   (counted all the same), with ``memory_analysis`` read and with the compile failure as
-   the oracle (simulated, tests/cpu/zoo.py's `OomOracleSimulation`);
-3. per mode: whether each plan fits, the gap in points of step FLOPs to the best compiled
-   set that fits, the gap distribution, refusals while some set fits, the compiles.
+benchmarks/maxtext_fit.py's (`sweep_real_step`: the brute force over the 6, ``--tags``, most
+useful tags axlearn emits and no remat, cached by save set in
+``OUT/axlearn_brute/<step>.json``; `fit` at 101 sizes in both modes; the gaps, refusals and
+compiles).
 
 A step `fit` refuses to read (a ValueError, e.g. an equation neuron_remat does not follow)
 is reported with the error, the other steps are swept, and the script then exits non-zero.
@@ -44,23 +36,12 @@ import maxtext_fit as MF  # noqa: E402
 
 NAME = "axlearn_fit"
 MiB = 1 << 20
-MAX_TAGS = MF.MAX_TAGS
-"""Tags in the brute force (2**6 sets and no remat, each compiled once), as maxtext_fit."""
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    p = C.parser(__doc__.splitlines()[0], NAME)
-    p.add_argument("--brute-only", action="store_true", help="fill the cache and stop")
-    import fit_sweep as FS  # noqa: PLC0415
-
-    p.add_argument("--tags", type=FS.tag_count, default=MAX_TAGS,
-                   help=f"tags in the brute force (default {MAX_TAGS}, at most "
-                        f"{FS.MAX_TAGS}; --small: 3)")
+    p = MF.real_step_parser(__doc__.splitlines()[0], NAME)
     p.add_argument("--steps", default=None,
                    help="comma-separated steps of tests/cpu/axlearn_zoo.py (default all)")
-    p.add_argument("--max-compiles", type=FS.compile_budget, default=None, metavar="N",
-                   help="give fit this compile budget (max_compiles=N, at least 3) instead "
-                        "of its own, as fit_sweep.py's option")
     args = p.parse_args(argv)
     sys.path.insert(0, str(C.REPO / "tests" / "cpu"))
     import axlearn_zoo as az  # noqa: PLC0415

@@ -52,19 +52,24 @@ def _gap_bins(gaps: Sequence[float]) -> dict[str, int]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    p = C.parser(__doc__.splitlines()[0], NAME)
-    p.add_argument("--brute-only", action="store_true", help="fill the cache and stop")
+def real_step_parser(description: str, name: str) -> Any:
+    """The options of a sweep of a host library's real step: `_common.parser`'s, and
+    ``--brute-only``, ``--tags``, ``--max-compiles`` (fit_sweep.py's)."""
     import fit_sweep as FS  # noqa: PLC0415
 
+    p = C.parser(description, name)
+    p.add_argument("--brute-only", action="store_true", help="fill the cache and stop")
     p.add_argument("--tags", type=FS.tag_count, default=MAX_TAGS,
                    help=f"tags in the brute force (default {MAX_TAGS}, at most "
                         f"{FS.MAX_TAGS}; --small: 3)")
-
     p.add_argument("--max-compiles", type=FS.compile_budget, default=None, metavar="N",
                    help="give fit this compile budget (max_compiles=N, at least 3) instead "
                         "of its own, as fit_sweep.py's option")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = real_step_parser(__doc__.splitlines()[0], NAME).parse_args(argv)
     say = C.Printer(args.quiet)
     C.prepare_compiles()
     sys.path.insert(0, str(C.REPO / "tests" / "cpu"))

@@ -23,7 +23,7 @@ import logging
 import pytest
 
 import maxtext_zoo as mz
-from xla_figures import compiled_bytes, compiled_flops
+from xla_figures import compiled_bytes, compiled_flops, full_and_no_remat_bytes
 
 _WHY = mz.available()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=str(_WHY))
@@ -144,12 +144,8 @@ def test_kept_bytes_equal_saved_residuals(layer, footprint):
 
 @pytest.fixture(scope="module")
 def step():
-    import jax
-
     make_step, args = SPEC.make_step(), SPEC.abstract_args()
-    full = make_step(jax.checkpoint_policies.save_only_these_names()).lower(*args).compile()
-    none = make_step(jax.checkpoint_policies.everything_saveable).lower(*args).compile()
-    return make_step, args, compiled_bytes(full), compiled_bytes(none)
+    return make_step, args, *full_and_no_remat_bytes(make_step, args)
 
 
 def _device(hbm):

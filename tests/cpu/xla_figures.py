@@ -21,6 +21,17 @@ def compiled_flops(compiled: Any) -> float:
     return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
 
 
+def full_and_no_remat_bytes(make_step: Any, args: Any) -> tuple[int, int]:
+    """XLA's bytes of ``make_step(policy)`` compiled for ``args`` under full remat (save
+    nothing) and under no remat (``everything_saveable``)."""
+    import jax  # noqa: PLC0415
+
+    policies = (jax.checkpoint_policies.save_only_these_names(),
+                jax.checkpoint_policies.everything_saveable)
+    full, none = (compiled_bytes(make_step(p).lower(*args).compile()) for p in policies)
+    return full, none
+
+
 def measure(step: Any, args: Any) -> tuple[int, float]:
     """Compile ``step`` (a jitted function) for ``args``: its bytes and FLOPs."""
     c = step.lower(*args).compile()
