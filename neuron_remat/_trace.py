@@ -192,7 +192,8 @@ each point of a grid): the kernel is one opaque op, its FLOPs its own cost estim
 def _sub_jaxprs(eqn: Any) -> Iterator[tuple[Any, int]]:
     """(jaxpr, multiplicity) for each jaxpr inside an equation's parameters that is a
     program of its own: not the per-element function of a scatter or a reduction (a
-    gather's transpose, in the backward of any indexing, is a scatter-add holding one)."""
+    gather's transpose, in the backward of any indexing, is a scatter-add holding one), nor
+    a Pallas kernel's body."""
     prim = str(eqn.primitive)
     mult = int(eqn.params.get("length", 1)) if prim == "scan" else 1
     params = dict(eqn.params)
