@@ -31,7 +31,6 @@ model causes (the search stops with compiles left: the best set is not plausible
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import math
