@@ -12,8 +12,10 @@ trace once took for a program of its own and refused.
   of the 6 most useful tags alone and each pair are those JAX's ``saved_residuals`` lists;
 * at a size between full remat and no remat, the plan's policy, compiled, fits and has
   the figures the plan states;
-* the traced footprint of Fuji's ``TransformerLayer`` (bfloat16): JAX's tags, and its kept
-  bytes on 20 save sets equal to ``saved_residuals``'s.
+* the traced footprint of Fuji's ``TransformerLayer`` (bfloat16), and of the same layer
+  with axlearn's ``FlashAttention`` (its kernel through ``jax.shard_map``): JAX's tags,
+  and its kept bytes on every save set of none, all, one and all but one equal to
+  ``saved_residuals``'s.
 """
 
 from __future__ import annotations
@@ -94,20 +96,37 @@ def test_kept_bytes_are_jaxs_for_each_tag_and_pair(step):
         assert graph.kept_bytes(saved) - base == _jax_kept(saved, args) - jax_base, saved
 
 
-@pytest.fixture(scope="module")
-def fuji_layer():
+@pytest.fixture(scope="module", params=["GroupedQueryAttention", "FlashAttention"])
+def fuji_layer(request):
     """axlearn's ``TransformerLayer`` as the step's stack holds it (Fuji's, RoPE included),
-    bfloat16 parameters and input: (layer function of (params, x), params, x)."""
+    or with axlearn's ``FlashAttention`` in its place (its kernel called through
+    ``jax.shard_map``; on the CPU axlearn's reference kernel, under a one-device mesh of
+    Fuji's axes), bfloat16 parameters and input: (attention class, layer function of
+    (params, x), params, x, the mesh to trace under)."""
+    import contextlib
+
     import jax
     import jax.numpy as jnp
+    import numpy as np
+    from axlearn.common.flash_attention.layer import FlashAttention
     from axlearn.common.module import functional
 
     cfg = az.model_config(az.SIZES, jax.checkpoint_policies.nothing_saveable,
                           prevent_cse=False, rope=True)
-    layer = cfg.decoder.transformer.layer.clone(
-        name="layer", input_dim=az.SIZES["hidden_dim"]).instantiate(parent=None)
-    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16),
-                          layer.initialize_parameters_recursively(jax.random.PRNGKey(0)))
+    layer_cfg = cfg.decoder.transformer.layer.clone(name="layer",
+                                                    input_dim=az.SIZES["hidden_dim"])
+    mesh = contextlib.nullcontext()
+    if request.param == "FlashAttention":
+        gqa = layer_cfg.self_attention.attention
+        layer_cfg.self_attention.attention = FlashAttention.default_config().set(
+            num_heads=gqa.num_heads, input_linear=gqa.input_linear, causal=True,
+            kv_cache=gqa.kv_cache)
+        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1, 1),
+                                 ("data", "expert", "fsdp", "seq", "model"))
+    with mesh:
+        layer = layer_cfg.instantiate(parent=None)
+        params = jax.tree.map(lambda a: a.astype(jnp.bfloat16),
+                              layer.initialize_parameters_recursively(jax.random.PRNGKey(0)))
     x = jnp.ones((az.SIZES["batch"], az.SIZES["seq"], az.SIZES["hidden_dim"]), jnp.bfloat16)
 
     def fn(params, x):
@@ -115,13 +134,14 @@ def fuji_layer():
                             inputs=dict(data=x), is_training=True)
         return out.data
 
-    return fn, params, x
+    return request.param, fn, params, x, mesh
 
 
 def test_traced_footprint_of_fujis_layer_is_jaxs(fuji_layer):
-    """`traced_footprint` of axlearn's layer (bfloat16, rotary embedding): every tag JAX's
-    VJP jaxpr holds, and kept bytes equal to ``saved_residuals``'s (the layer input
-    counted, the parameters not) for no tag, every tag, each alone and each left out."""
+    """`traced_footprint` of axlearn's layer (bfloat16, rotary embedding; its attention
+    through ``shard_map`` with ``FlashAttention``): every tag JAX's VJP jaxpr holds, and
+    kept bytes equal to ``saved_residuals``'s (the layer input counted, the parameters not)
+    for no tag, every tag, each alone and each left out."""
     import jax
     import numpy as np
     from jaxpr_names import names_in
@@ -129,10 +149,7 @@ def test_traced_footprint_of_fujis_layer_is_jaxs(fuji_layer):
     import neuron_remat as nr
     from neuron_remat._jax_compat import saved_residuals
 
-    fn, params, x = fuji_layer
-    fp = nr.traced_footprint(fn, params, x, activation_argnums=1)
-    emitted = names_in(jax.make_jaxpr(lambda p, x: jax.vjp(fn, p, x))(params, x))
-    assert set(fp) == emitted and len(emitted) == 9, (sorted(fp), sorted(emitted))
+    attention, fn, params, x, mesh = fuji_layer
 
     def jax_kept(saved):
         f = jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*saved))
@@ -145,11 +162,21 @@ def test_traced_footprint_of_fujis_layer_is_jaxs(fuji_layer):
                 total += nbytes
         return total
 
-    tags = sorted(fp)
-    subsets = [(), tuple(tags), *((t,) for t in tags),
-               *(tuple(u for u in tags if u != t) for t in tags)]
-    for saved in subsets:
-        assert fp.evaluate(saved)[0] == jax_kept(saved), saved
+    with mesh:
+        fp = nr.traced_footprint(fn, params, x, activation_argnums=1)
+        emitted = names_in(jax.make_jaxpr(lambda p, x: jax.vjp(fn, p, x))(params, x))
+        assert set(fp) == emitted, (sorted(fp), sorted(emitted))
+        # the projections and the FFN's three; the flash kernel tags no context
+        assert {f"{attention}.{t}" for t in ("q_proj", "k_proj", "v_proj", "o_proj")} \
+            <= emitted
+        assert (f"{attention}.context" in emitted) == (attention != "FlashAttention")
+        if attention == "FlashAttention":
+            assert any("shard_map" in n for n in fp.notes), fp.notes
+        tags = sorted(fp)
+        subsets = [(), tuple(tags), *((t,) for t in tags),
+                   *(tuple(u for u in tags if u != t) for t in tags)]
+        for saved in subsets:
+            assert fp.evaluate(saved)[0] == jax_kept(saved), saved
 
 
 def test_fit_between_full_and_no_remat_states_its_compile(step):
