@@ -73,11 +73,13 @@ def _policy_fn(policy: Any) -> Any:
 
 
 def model_config(sizes: dict[str, Any], policy: Any, prevent_cse: bool,
-                 rope: bool = True) -> Any:
+                 rope: bool = True, flash: bool = False) -> Any:
     """axlearn's ``causal_lm.Model`` config, as Fuji's ``model_config`` (fuji.py 1064-1103)
     and common.py's ``model_config`` (278-379) build it, `policy` in its ``RematSpec``;
     without `rope`, the attention's input linear is Fuji's ``FusedGroupedQKVLinear`` alone
-    (no ``RoFormerQKVLinear`` around it)."""
+    (no ``RoFormerQKVLinear`` around it); with `flash`, the attention is axlearn's
+    ``FlashAttention`` (Fuji's with ``flash_attention=True``: its kernel through
+    ``jax.shard_map``; trace it under `mesh()`)."""
     import jax.numpy as jnp  # noqa: PLC0415
     from axlearn.common import causal_lm  # noqa: PLC0415
     from axlearn.common.attention import (  # noqa: PLC0415
@@ -93,6 +95,7 @@ def model_config(sizes: dict[str, Any], policy: Any, prevent_cse: bool,
     from axlearn.common.config import config_for_function  # noqa: PLC0415
     from axlearn.common.decoder import Decoder, LmHead  # noqa: PLC0415
     from axlearn.common.embedding import TransformerTextEmbeddings  # noqa: PLC0415
+    from axlearn.common.flash_attention.layer import FlashAttention  # noqa: PLC0415
     from axlearn.common.layers import RMSNorm, set_bias_recursively, set_norm_recursively  # noqa: PLC0415
     from axlearn.common.param_init import (  # noqa: PLC0415
         PARAM_REGEXP_WEIGHT,
@@ -103,7 +106,7 @@ def model_config(sizes: dict[str, Any], policy: Any, prevent_cse: bool,
     s = sizes
     # fuji.py 1064-1083.
     activation_fn = ("nn.silu", "linear")
-    atten_cfg = GroupedQueryAttention.default_config()
+    atten_cfg = (FlashAttention if flash else GroupedQueryAttention).default_config()
     atten_input_linear = FusedGroupedQKVLinear.default_config().set(
         num_kv_heads=s["num_kv_heads"])
     if rope:
@@ -167,25 +170,36 @@ class AxlearnSpec:
     sizes: dict[str, Any]
     prevent_cse: bool = False
     rope: bool = True
+    flash: bool = False
     split: str = "held-out"
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     scan: bool = True
 
     def _model(self, policy: Any) -> Any:
-        return model_config(self.sizes, policy, self.prevent_cse, self.rope) \
+        return model_config(self.sizes, policy, self.prevent_cse, self.rope, self.flash) \
             .set(name="model").instantiate(parent=None)
 
     def abstract_args(self) -> tuple[Any, Any]:
         """((abstract float32 parameters, abstract AdamW state), abstract input batch)."""
         return _abstract_args(self.name, tuple(sorted(self.sizes.items())),
-                              self.prevent_cse, self.rope)
+                              self.prevent_cse, self.rope, self.flash)
 
     def make_step(self) -> Callable[[Any], Any]:
         def make(policy: Any) -> Any:
             return _make(self, policy)
 
         return make
+
+
+def mesh() -> Any:
+    """A one-device mesh over Fuji's axes: axlearn's ``FlashAttention`` reads the mesh its
+    kernel's ``shard_map`` runs on from the one in effect."""
+    import jax  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    return jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1, 1),
+                             ("data", "expert", "fsdp", "seq", "model"))
 
 
 def _optimizer() -> Any:
@@ -196,14 +210,14 @@ def _optimizer() -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _abstract_args(name: str, sizes: tuple[tuple[str, Any], ...],
-                   prevent_cse: bool, rope: bool) -> tuple[Any, Any]:
+                   prevent_cse: bool, rope: bool, flash: bool) -> tuple[Any, Any]:
     del name
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
     s = dict(sizes)
-    model = model_config(s, jax.checkpoint_policies.nothing_saveable, prevent_cse, rope) \
-        .set(name="model").instantiate(parent=None)
+    model = model_config(s, jax.checkpoint_policies.nothing_saveable, prevent_cse, rope,
+                         flash).set(name="model").instantiate(parent=None)
     tx = _optimizer()
 
     def state() -> Any:
@@ -216,7 +230,10 @@ def _abstract_args(name: str, sizes: tuple[tuple[str, Any], ...],
 
 
 def _make(spec: AxlearnSpec, policy: Any) -> Any:
-    """The jitted, state-donating step of `spec`'s model with `policy` in its RematSpec."""
+    """The jitted, state-donating step of `spec`'s model with `policy` in its RematSpec
+    (traced under `mesh()` where its attention is ``FlashAttention``)."""
+    import contextlib  # noqa: PLC0415
+
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
     import optax  # noqa: PLC0415
@@ -235,7 +252,8 @@ def _make(spec: AxlearnSpec, policy: Any) -> Any:
 
     def step(state: Any, batch: Any) -> tuple[Any, Any]:
         params, opt = state
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        with mesh() if spec.flash else contextlib.nullcontext():
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, opt = tx.update(grads, opt, params)
         return (optax.apply_updates(params, updates), opt), loss
 
@@ -252,6 +270,11 @@ STEPS: dict[str, AxlearnSpec] = {s.name: s for s in [
         "axlearn-fuji", SIZES, prevent_cse=False, rope=True,
         note=_FUJI + "; RoPE (RoFormerQKVLinear); RematSpec(prevent_cse=False) as "
              "build_remat_spec gives a scanned stack"),
+    AxlearnSpec(
+        "axlearn-fuji-flash", SIZES, prevent_cse=False, rope=True, flash=True,
+        note=_FUJI + "; RoPE; axlearn's FlashAttention (its kernel through jax.shard_map: "
+             "on the CPU axlearn's reference kernel, which tags no context) under a "
+             "one-device mesh of Fuji's axes"),
     AxlearnSpec(
         "axlearn-fuji-norope", SIZES, prevent_cse=False, rope=False,
         note=_FUJI + "; no RoPE (FusedGroupedQKVLinear alone); RematSpec(prevent_cse=False)"),

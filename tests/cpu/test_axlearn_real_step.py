@@ -1,11 +1,13 @@
-"""`fit` on a training step of axlearn's real layers (tests/cpu/axlearn_zoo.py), held to JAX
+"""`fit` on training steps of axlearn's real layers (tests/cpu/axlearn_zoo.py), held to JAX
 and XLA.
 
 Skipped unless axlearn imports (a real checkout at the commit axlearn_zoo cites, Python
-3.12, JAX 0.8.3: README, "The tests on a real axlearn"). The step is held out: nothing in
-`fit` was tuned on it. Its layer is Fuji's, rotary embedding included, whose strided
-slices JAX 0.8 lowers to gathers: the layer's backward holds a scatter-add, which the
-trace once took for a program of its own and refused.
+3.12, JAX 0.8.3: README, "The tests on a real axlearn"). The steps are held out: nothing
+in `fit` was tuned on them. Their layer is Fuji's, rotary embedding included, whose
+strided slices JAX 0.8 lowers to gathers: the layer's backward holds a scatter-add, which
+the trace once took for a program of its own and refused; one step has axlearn's
+``GroupedQueryAttention``, the other its ``FlashAttention`` (the kernel called through
+``jax.shard_map``). On each step:
 
 * every tag in the step's jaxpr (axlearn's own ``"<LayerClass>.<name>"`` names) is one
   `fit` reads from the step's checkpointed layers, and the bytes its graph keeps for each
@@ -30,13 +32,11 @@ from xla_figures import compiled_bytes, compiled_flops, full_and_no_remat_bytes
 _WHY = az.available()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=str(_WHY))
 
-SPEC = az.STEPS["axlearn-fuji"]
-
-
-@pytest.fixture(scope="module")
-def step():
-    make_step, args = SPEC.make_step(), SPEC.abstract_args()
-    return make_step, args, *full_and_no_remat_bytes(make_step, args)
+@pytest.fixture(scope="module", params=["axlearn-fuji", "axlearn-fuji-flash"])
+def step(request):
+    spec = az.STEPS[request.param]
+    make_step, args = spec.make_step(), spec.abstract_args()
+    return make_step, args, *full_and_no_remat_bytes(make_step, args), spec
 
 
 def test_fit_reads_every_tag_axlearn_emits(step):
@@ -45,19 +45,22 @@ def test_fit_reads_every_tag_axlearn_emits(step):
     import jax
     from jaxpr_names import names_in
 
-    make_step, args, _, _ = step
+    make_step, args, _, _, spec = step
     emitted = names_in(jax.make_jaxpr(make_step(
         jax.checkpoint_policies.save_only_these_names()))(*args))
-    assert {"GroupedQueryAttention.q_proj", "GroupedQueryAttention.k_proj",
-            "GroupedQueryAttention.o_proj", "TransformerFeedForwardLayer.linear1_0",
+    attention = "FlashAttention" if spec.flash else "GroupedQueryAttention"
+    assert {f"{attention}.q_proj", f"{attention}.k_proj", f"{attention}.o_proj",
+            "TransformerFeedForwardLayer.linear1_0",
             "TransformerFeedForwardLayer.linear1_1"} <= emitted, emitted
     graph = importlib.import_module("neuron_remat._fit").step_graph(make_step, *args)
     assert set(graph.tags) == emitted
 
 
-def _jax_kept(saved, args):
-    """Bytes of the residuals JAX's ``saved_residuals`` lists for the step's loss under
-    ``save_only_these_names(*saved)``, arguments left out."""
+def _jax_kept(spec, saved, args):
+    """Bytes of the residuals JAX's ``saved_residuals`` lists for the loss of `spec`'s step
+    under ``save_only_these_names(*saved)``, arguments left out."""
+    import contextlib
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -66,7 +69,7 @@ def _jax_kept(saved, args):
 
     from neuron_remat._jax_compat import saved_residuals
 
-    model = SPEC._model(jax.checkpoint_policies.save_only_these_names(*saved))  # noqa: SLF001
+    model = spec._model(jax.checkpoint_policies.save_only_these_names(*saved))  # noqa: SLF001
 
     def loss_fn(params, batch):  # the step's loss (axlearn_zoo._make)
         params = utils.cast_floats(params, to_dtype=jnp.bfloat16)
@@ -75,9 +78,10 @@ def _jax_kept(saved, args):
         return loss
 
     (params, _), batch = args
+    with az.mesh() if spec.flash else contextlib.nullcontext():
+        residuals = saved_residuals(loss_fn, params, batch)
     return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize
-               for a, why in saved_residuals(loss_fn, params, batch)
-               if not why.startswith("from the argument"))
+               for a, why in residuals if not why.startswith("from the argument"))
 
 
 def test_kept_bytes_are_jaxs_for_each_tag_and_pair(step):
@@ -87,13 +91,14 @@ def test_kept_bytes_are_jaxs_for_each_tag_and_pair(step):
     import importlib
 
     F = importlib.import_module("neuron_remat._fit")
-    make_step, args, _, _ = step
+    make_step, args, _, _, spec = step
     graph = F.step_graph(make_step, *args)
     pool = F._pool(graph, None)[:6]  # noqa: SLF001
     assert len(pool) == 6
-    base, jax_base = graph.kept_bytes(()), _jax_kept((), args)
+    base, jax_base = graph.kept_bytes(()), _jax_kept(spec, (), args)
     for saved in [*itertools.combinations(pool, 1), *itertools.combinations(pool, 2)]:
-        assert graph.kept_bytes(saved) - base == _jax_kept(saved, args) - jax_base, saved
+        assert (graph.kept_bytes(saved) - base
+                == _jax_kept(spec, saved, args) - jax_base), saved
 
 
 @pytest.fixture(scope="module", params=["GroupedQueryAttention", "FlashAttention"])
@@ -107,24 +112,15 @@ def fuji_layer(request):
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
-    from axlearn.common.flash_attention.layer import FlashAttention
     from axlearn.common.module import functional
 
+    flash = request.param == "FlashAttention"
     cfg = az.model_config(az.SIZES, jax.checkpoint_policies.nothing_saveable,
-                          prevent_cse=False, rope=True)
-    layer_cfg = cfg.decoder.transformer.layer.clone(name="layer",
-                                                    input_dim=az.SIZES["hidden_dim"])
-    mesh = contextlib.nullcontext()
-    if request.param == "FlashAttention":
-        gqa = layer_cfg.self_attention.attention
-        layer_cfg.self_attention.attention = FlashAttention.default_config().set(
-            num_heads=gqa.num_heads, input_linear=gqa.input_linear, causal=True,
-            kv_cache=gqa.kv_cache)
-        mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1, 1),
-                                 ("data", "expert", "fsdp", "seq", "model"))
+                          prevent_cse=False, rope=True, flash=flash)
+    mesh = az.mesh() if flash else contextlib.nullcontext()
     with mesh:
-        layer = layer_cfg.instantiate(parent=None)
+        layer = cfg.decoder.transformer.layer.clone(
+            name="layer", input_dim=az.SIZES["hidden_dim"]).instantiate(parent=None)
         params = jax.tree.map(lambda a: a.astype(jnp.bfloat16),
                               layer.initialize_parameters_recursively(jax.random.PRNGKey(0)))
     x = jnp.ones((az.SIZES["batch"], az.SIZES["seq"], az.SIZES["hidden_dim"]), jnp.bfloat16)
@@ -182,7 +178,7 @@ def test_traced_footprint_of_fujis_layer_is_jaxs(fuji_layer):
 def test_fit_between_full_and_no_remat_states_its_compile(step):
     import neuron_remat as nr
 
-    make_step, args, full, none = step
+    make_step, args, full, none, _ = step
     assert none > 1.4 * full  # a scanned stack: no remat keeps every layer's activations
     hbm = int(full + 0.3 * (none - full))
     device = nr.parse_device(f"trn2.48xlarge:hbm={hbm}B:cores=1", source="test")
