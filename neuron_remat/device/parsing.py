@@ -93,9 +93,15 @@ def _human(n: int) -> str:
     return f"{n} B"
 
 
+_ASCII_SPACE = " \t\n\r\f\v"
+"""What a count or a core list may be padded with: ASCII whitespace, as ``\s`` under
+re.ASCII (``str.strip()`` would also take U+0085 and other scripts' spaces)."""
+
+
 def _ascii_int(text: str, *, what: str, low: int, high: int, valid: str) -> int:
-    """A plain ASCII integer in ``low..high`` (no signs, no other scripts' digits)."""
-    raw = text.strip()
+    """A plain ASCII integer in ``low..high`` (no signs, no other scripts' digits or
+    spaces)."""
+    raw = text.strip(_ASCII_SPACE)
     if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:
         raise ValueError(f"{what}={_show(text)} is not a positive integer in ASCII digits; "
                          f"valid: {valid}")
@@ -286,7 +292,7 @@ def _parse_core_list(raw: str, total: int | None = None) -> tuple[int, int]:
                          "forms: '3', '0-3', '0,2,4-7'")
     spans: list[tuple[int, int]] = []
     for piece in raw.split(","):
-        piece = piece.strip()
+        piece = piece.strip(_ASCII_SPACE)
         m = re.fullmatch(r"([0-9]+)(?:\s*-\s*([0-9]+))?", piece, re.ASCII)
         if not m:
             raise ValueError(
@@ -313,7 +319,7 @@ def _parse_core_list(raw: str, total: int | None = None) -> tuple[int, int]:
 
 def _visible_cores(environ: Mapping[str, str], total: int | None) -> tuple[int | None, str]:
     """Cores this process may use per the runtime's variables, or None when unset."""
-    raw = environ.get("NEURON_RT_VISIBLE_CORES", "").strip()
+    raw = environ.get("NEURON_RT_VISIBLE_CORES", "").strip(_ASCII_SPACE)
     if raw:
         n, _ = _parse_core_list(raw, total)
         return n, f"NEURON_RT_VISIBLE_CORES={_show(raw, 60)[1:-1]} -> {n} cores"

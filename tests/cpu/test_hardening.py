@@ -177,6 +177,7 @@ def test_huge_ranges_are_refused_without_building_them(lo, width):
 @given(text=st.text(max_size=40))
 @example("٣")
 @example("0-٣")
+@example("0\x85")  # U+0085, which str.strip() takes for a space
 @example("1" * 5000)
 def test_any_core_list_is_a_count_or_a_value_error(text):
     try:
@@ -185,6 +186,17 @@ def test_any_core_list_is_a_count_or_a_value_error(text):
         assert "NEURON_RT_VISIBLE_CORES" in str(err) and len(str(err)) < 400
     else:
         assert 1 <= count <= top + 1 <= 128 and text.isascii()
+
+
+@pytest.mark.parametrize("text", ["3\x85", "\x853", "3\u2003", "\u00a03"])
+def test_a_count_padded_with_other_spaces_is_refused(text):
+    """Only ASCII whitespace pads a count (str.strip() takes U+0085 and U+2003 too)."""
+    from neuron_remat.device import parsing
+
+    with pytest.raises(ValueError, match="ASCII digits"):
+        parsing._ascii_int(text, what="NEURON_RT_NUM_CORES", low=1, high=8, valid="1 to 8")
+    assert parsing._ascii_int(" 3\t", what="NEURON_RT_NUM_CORES", low=1, high=8,
+                              valid="1 to 8") == 3
 
 
 def test_a_huge_visible_core_range_on_a_detected_trn2_is_refused_at_once(tmp_path):
