@@ -427,6 +427,15 @@ def test_cli_count_type_accepts_exactly_its_range(n, low):
             parse(str(n))
 
 
+@pytest.mark.parametrize("text", ["5\x85", "\u20035", "5\u00a0"])
+def test_cli_count_padded_with_other_spaces_is_refused(text):
+    """A count is ASCII digits padded with ASCII spaces (str.strip() takes U+0085 too)."""
+    parse = cli._count(1, high=1000, what="a count")
+    with pytest.raises(Exception, match="is not a count; valid: an integer from 1"):
+        parse(text)
+    assert parse(" 5\t") == 5
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--optimizer", "inf"], ["--optimizer", "'inf'", "adamw"]),
     (["--seq-len", "0"], ["--seq-len", "0 is out of range", "from 1"]),
