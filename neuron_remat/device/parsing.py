@@ -94,8 +94,9 @@ def _human(n: int) -> str:
 
 
 _ASCII_SPACE = " \t\n\r\f\v"
-"""What a count or a core list may be padded with: ASCII whitespace, as ``\s`` under
-re.ASCII (``str.strip()`` would also take U+0085 and other scripts' spaces)."""
+"""What a count or a core list may be padded with: ASCII whitespace, what a regex's
+whitespace class matches under re.ASCII (``str.strip()`` would also take U+0085 and other
+scripts' spaces)."""
 
 
 def _ascii_int(text: str, *, what: str, low: int, high: int, valid: str) -> int:
