@@ -998,14 +998,20 @@ class _Search:
         (`_rescue`'s second stage, for the oracle when nothing better than full remat
         fit)."""
         while self.used < self.max_compiles:
-            alone = {s[0] for s in self.compiled if s and len(s) == 1}
-            singles = [c for c in self.candidates if c.saved and len(c.saved) == 1
-                       and c.saved[0] not in alone]
+            singles = self._untried_singles()
             if not singles:
                 return
-            c = max(singles, key=lambda c: (self.chance(c), -c.recompute))
-            if not self._measure(c).over(self.limit):
+            if not self._measure(self._most_likely(singles)).over(self.limit):
                 return
+
+    def _untried_singles(self) -> list[_Candidate]:
+        """The sets of one tag not compiled yet."""
+        return [c for c in self.candidates if c.saved and len(c.saved) == 1
+                and c.saved not in self.compiled]
+
+    def _most_likely(self, cands: Sequence[_Candidate]) -> _Candidate:
+        """The candidate most likely to fit, the one that recomputes less on a tie."""
+        return max(cands, key=lambda c: (self.chance(c), -c.recompute))
 
     def _tight_by_figures(self) -> bool:
         """With the compile as the oracle: whether the model the out-of-memory figures
@@ -1093,10 +1099,7 @@ class _Search:
                     and c.saved is not None]  # no remat keeps the most: never smaller
             if not left:
                 break
-            alone = {s[0] for s in self.compiled if s and len(s) == 1}
-            singles = [c for c in left if c.saved and len(c.saved) == 1
-                       and c.saved[0] not in alone]
-            c = max(singles or left, key=lambda c: (self.chance(c), -c.recompute))
+            c = self._most_likely(self._untried_singles() or left)
             got = self._measure(c)
             if got.over(self.limit):
                 continue
