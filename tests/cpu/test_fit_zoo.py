@@ -55,7 +55,7 @@ def small():
 
 def test_plan_states_its_policys_compile(small):
     make_step, args, (full_bytes, full_flops) = small
-    hbm = int(full_bytes * 1.08)  # roomy: more than F.TIGHT x F.DEFAULT_BAND to spare
+    hbm = int(full_bytes * 1.10)  # roomy: more than F.TIGHT x F.DEFAULT_BAND to spare
     assert hbm - full_bytes > F.TIGHT * F.DEFAULT_BAND * full_bytes
     plan = nr.fit(make_step, *args, device=_device(hbm), reserve=0)
     rec = plan.compiled
@@ -71,8 +71,8 @@ def test_oracle_bisects_and_its_plan_fits(small):
     """A SIMULATED backend without memory_analysis() (zoo.OomOracleSimulation): the
     compile fails with RESOURCE_EXHAUSTED over the limit."""
     make_step, args, (full_bytes, _) = small
-    hbm = int(full_bytes * 1.10)  # roomy: more than F.TIGHT x F.DEFAULT_BAND to spare
-    assert hbm - full_bytes > F.TIGHT * F.DEFAULT_BAND * hbm
+    hbm = int(full_bytes * 1.15)  # roomy: more than F.TIGHT x F.DEFAULT_BAND to spare,
+    assert hbm - full_bytes > F.TIGHT * F.DEFAULT_BAND * hbm  # even as the figures put it
     lines = []
     plan = nr.fit(zoo.oracle_make_step(make_step, hbm), *args, device=_device(hbm),
                   reserve=0, progress=lines.append)
@@ -622,6 +622,7 @@ def test_zoo_is_varied():
     assert {s.dtype for s in specs} >= {"float32", "bfloat16"}
     assert {s.optimizer for s in specs} >= {"adamw", "sgd", "adafactor"}
     assert any(s.experts for s in specs) and any(s.fused_qkv for s in specs)
+    assert any(s.rope for s in specs) and any(not s.rope for s in specs)
     assert len({s.heads // s.kv_heads for s in specs}) >= 3
     assert {s.split for s in specs} == {"train", "held-out"}
     np.testing.assert_equal(len({s.name for s in specs}), len(specs))

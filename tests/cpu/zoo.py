@@ -3,10 +3,11 @@
 Each `Spec` builds ``make_step(policy)`` and the step's abstract arguments: an embedding,
 a stack of decoder layers (scanned with ``lax.scan``, or an unrolled Python loop), a final
 norm and head, cross-entropy, and an optax optimizer inside the jitted step. The layers
-differ in structure (GQA ratios from MHA to MQA, a fused QKV projection, a soft-routed MoE
-feed-forward, a wide FFN beside narrow attention and the reverse), dtype (float32,
-bfloat16), optimizer (AdamW, SGD, Adafactor), donation, and in how large no remat is
-against full remat (about 1.1x to 4.3x), and in how many useful tags they have (up to 8).
+differ in structure (GQA ratios from MHA to MQA, a fused QKV projection, rotary
+embedding, a soft-routed MoE feed-forward, a wide FFN beside narrow attention and the
+reverse), dtype (float32, bfloat16), optimizer (AdamW, SGD, Adafactor), donation, and in
+how large no remat is against full remat (about 1.1x to 4.3x), and in how many useful tags
+they have (up to 8).
 Tag names differ too (MaxText's, axlearn-like, made up). Every step compiles in a few
 seconds on an idle XLA:CPU core (about 3 s; the unrolled and bfloat16 ones up to 12 s).
 
@@ -67,6 +68,7 @@ class Spec:
     ffn: int = 256
     experts: int = 0
     fused_qkv: bool = False
+    rope: bool = False
     dtype: str = "float32"
     optimizer: str = "adamw"
     scan: bool = True
@@ -157,6 +159,8 @@ class Spec:
             q, k, v = (t(h @ p["wq"], "q"), t(h @ p["wk"], "k"), t(h @ p["wv"], "v"))
         q = q.reshape(b, s, nk, nh // nk, hd)
         k, v = k.reshape(b, s, nk, hd), v.reshape(b, s, nk, hd)
+        if self.rope:  # rotary embedding after the tagged projections, as MaxText and axlearn
+            q, k = _rotary(q, 1), _rotary(k, 1)
         scores = t(jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) / hd ** 0.5,
                    "scores")
         mask = jnp.tril(jnp.ones((s, s), bool))
@@ -219,6 +223,21 @@ class Spec:
         return make
 
 
+def _rotary(v: jax.Array, axis: int) -> jax.Array:
+    """Rotary position embedding of `v` (positions along `axis`, features on the last
+    axis), in the rotate-half form: the features' two halves turn by position x
+    10000^(-2i/d)."""
+    half = v.shape[-1] // 2
+    pos = jnp.arange(v.shape[axis], dtype=jnp.float32)
+    angle = pos[:, None] * 10000.0 ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    shape = [1] * v.ndim
+    shape[axis], shape[-1] = v.shape[axis], half
+    sin = jnp.sin(angle).reshape(shape).astype(v.dtype)
+    cos = jnp.cos(angle).reshape(shape).astype(v.dtype)
+    a, b = v[..., :half], v[..., half:]
+    return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], -1)
+
+
 ZOO: dict[str, Spec] = {s.name: s for s in [
     # --- train: fit's constants were tuned on these ---
     Spec("gqa4-adamw", "train", MAXTEXT | {"scores": "attn_scores"}, heads=8, kv_heads=2,
@@ -236,6 +255,19 @@ ZOO: dict[str, Spec] = {s.name: s for s in [
          hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=128, seq=384, vocab=128,
          optimizer="sgd", layers=6,
          note="scanned, f32, long sequence, small state: no remat about 4x full remat"),
+    Spec("rope-gqa2-bf16", "train",
+         {"q": "query", "k": "key", "v": "value", "context": "attn_context",
+          "out": "attn_output", "ffn0": "ffn_gate", "ffn1": "ffn_up", "ffn_out": "ffn_down"},
+         hidden=96, heads=6, kv_heads=3, head_dim=16, ffn=192, rope=True,
+         dtype="bfloat16", seq=128, extra={"brute_tags": 7},
+         note="scanned, bf16, rotary embedding, GQA 2:1, SwiGLU, AdamW, donated: 8 tags"),
+    Spec("moe8-rope-sgd", "train",
+         {"q": "wq", "k": "wk", "v": "wv", "context": "attn", "router": "gate_logits",
+          "expert_in": "experts_up", "moe_out": "experts_out"},
+         hidden=64, heads=4, kv_heads=1, head_dim=16, ffn=48, experts=8, rope=True,
+         optimizer="sgd", donate=False, seq=80, extra={"brute_tags": 6},
+         note="scanned, f32, rotary embedding, MQA, soft-routed MoE of 8 narrow experts, "
+              "SGD, not donated"),
     # --- held-out: not looked at while tuning ---
     Spec("wide-attn-mqa-adafactor", "held-out",
          {"q": "attn_q", "k": "attn_k", "v": "attn_v", "context": "attn_o_in",
