@@ -1216,8 +1216,9 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
             default 6 up to 8 tags, and with the compile as the oracle 2 +
             ceil(log2(frontier - 1)); with memory figures one more per tag where full
             remat does not fit or fits within `TIGHT` (4) x the uncertainty of the
-            limit, a budget given too; with the compile as the oracle one more per tag where its
-            out-of-memory figures put full remat that close, unless a budget was given),
+            limit, a budget given too; with the compile as the oracle one more per tag
+            where its out-of-memory figures put full remat that close, unless a budget
+            was given),
             ``progress`` (called with one line per compile and the search's plan and
             end), ``band`` (the uncertainty of a prediction before any compile has
             missed, a share of full remat's bytes; 0.02), ``runner_ups`` (how many to
