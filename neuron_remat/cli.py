@@ -20,6 +20,7 @@ from . import device as dev
 from . import memory_model as mm
 from . import models
 from ._format import describe_device
+from .device.parsing import _ASCII_SPACE
 
 if TYPE_CHECKING:
     from . import planner
@@ -58,7 +59,7 @@ def _count(low: int = 1, *, allow: tuple[int, ...] = (), high: int = _MAX_COUNT,
     """An argparse type: an integer in ``low..high`` (or one of `allow`), ASCII digits."""
 
     def parse(text: str) -> int:
-        raw = text.strip(" \t\n\r\f\v")  # ASCII spaces only, as the digits
+        raw = text.strip(_ASCII_SPACE)  # ASCII spaces only, as the digits
         body = raw[1:] if raw.startswith("-") else raw
         valid = f"an integer from {low} to {high}" + "".join(f" or {a}" for a in allow)
         if not (body.isascii() and body.isdigit()):
