@@ -337,6 +337,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     import neuron_remat as nr  # noqa: PLC0415, F401
 
     F = importlib.import_module("neuron_remat._fit")
+    SG = importlib.import_module("neuron_remat._step")
+    SR = importlib.import_module("neuron_remat._search")
     import logging  # noqa: PLC0415
 
     logging.getLogger("neuron_remat.fit").setLevel(logging.ERROR)  # one note per fit
@@ -357,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         spec = specs[name]
         make_step, step_args = spec.make_step(), spec.abstract_args()
         graph = F.step_graph(make_step, *step_args)
-        pool = F._pool(graph, None)[:min(max_tags, spec.extra.get("brute_tags", max_tags))]
+        pool = SG._pool(graph, None)[:min(max_tags, spec.extra.get("brute_tags", max_tags))]
         brute = Brute(spec, pool, args.out / "fit_brute" / f"{name}.json")
         say(f"{name} ({spec.split}): tags {', '.join(pool)}")
         if args.cached_only:
@@ -378,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "full_remat_bytes": brute.get(())["bytes"],
                 "no_remat_bytes": brute.get(None)["bytes"], "modes": {}}
         sizes = _sizes(brute, n_sizes)
-        n_front = len(F._frontier(F._candidates(graph, pool)))
+        n_front = len(SR._frontier(SR._candidates(graph, pool)))
         for mode in ("memory_analysis", "oracle"):
             rows = sweep_step(brute, mode, sizes, graph, F, zoo, args.max_compiles)
             step["modes"][mode] = {"summary": _summary(rows, n_front, mode == "oracle"),

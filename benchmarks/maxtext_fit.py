@@ -107,7 +107,9 @@ def sweep_real_step(name: str, spec: Any, graph: Any, host: str, version: str,
     import zoo  # noqa: PLC0415
 
     F = importlib.import_module("neuron_remat._fit")
-    pool = F._pool(graph, None)[:max_tags]  # noqa: SLF001
+    SG = importlib.import_module("neuron_remat._step")
+    SR = importlib.import_module("neuron_remat._search")
+    pool = SG._pool(graph, None)[:max_tags]  # noqa: SLF001
     say(f"{name}: {host} emits {', '.join(graph.tags)}; brute force over {', '.join(pool)}")
     brute = FS.Brute(spec, pool, brute_dir / f"{name}.json")
     seconds = brute.fill(say)
@@ -122,7 +124,7 @@ def sweep_real_step(name: str, spec: Any, graph: Any, host: str, version: str,
                             "sets": {FS._key(s): brute.get(s) for s in brute.sets()},  # noqa: SLF001
                             "modes": {}}
     sizes = FS._sizes(brute, n_sizes)  # noqa: SLF001
-    n_front = len(F._frontier(F._candidates(graph, pool)))  # noqa: SLF001
+    n_front = len(SR._frontier(SR._candidates(graph, pool)))  # noqa: SLF001
     lines = [f"{name} ({host} {version}): full remat {full / MiB:.2f} MiB, no remat "
              f"{none / MiB:.2f} MiB, smallest set {smallest / MiB:.2f} MiB; {len(sizes)} "
              f"sizes, tags {', '.join(pool)}"]

@@ -163,8 +163,9 @@ def step_report(name: str, spec: Any, out: Path, sweep: dict[str, Any] | None) -
     import fit_sweep as S  # noqa: PLC0415
 
     F = importlib.import_module("neuron_remat._fit")
+    SG = importlib.import_module("neuron_remat._step")
     graph = F.step_graph(spec.make_step(), *spec.abstract_args())
-    pool = F._pool(graph, None)[:min(S.MAX_TAGS, spec.extra.get("brute_tags", S.MAX_TAGS))]
+    pool = SG._pool(graph, None)[:min(S.MAX_TAGS, spec.extra.get("brute_tags", S.MAX_TAGS))]
     brute = S.Brute(spec, pool, out / "fit_brute" / f"{name}.json")
     k = brute.complete_prefix()
     if k < 1:
@@ -211,8 +212,8 @@ def analyse(graph: Any, pool: Sequence[str], row_of: Any, modes: dict[str, Any],
 
     import numpy as np  # noqa: PLC0415
 
-    F = importlib.import_module("neuron_remat._fit")
-    cands = [c for c in F._candidates(graph, pool) if c.saved is not None]
+    SR = importlib.import_module("neuron_remat._search")
+    cands = [c for c in SR._candidates(graph, pool) if c.saved is not None]
     y = np.array([row_of(c.saved)["bytes"] for c in cands], float)
     a = _design(cands, pool)
     coef, *_ = np.linalg.lstsq(a, y, rcond=None)

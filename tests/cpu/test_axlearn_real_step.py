@@ -91,9 +91,10 @@ def test_kept_bytes_are_jaxs_for_each_tag_and_pair(step):
     import importlib
 
     F = importlib.import_module("neuron_remat._fit")
+    G = importlib.import_module("neuron_remat._step")
     make_step, args, _, _, spec = step
     graph = F.step_graph(make_step, *args)
-    pool = F._pool(graph, None)[:6]  # noqa: SLF001
+    pool = G._pool(graph, None)[:6]  # noqa: SLF001
     assert len(pool) == 6
     base, jax_base = graph.kept_bytes(()), _jax_kept(spec, (), args)
     for saved in [*itertools.combinations(pool, 1), *itertools.combinations(pool, 2)]:

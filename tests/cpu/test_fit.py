@@ -39,6 +39,7 @@ from examples import fit_demo  # noqa: E402
 from xla_figures import compiled_bytes, compiled_flops  # noqa: E402
 
 F = importlib.import_module("neuron_remat._fit")
+S = importlib.import_module("neuron_remat._search")  # the search and its constants
 
 CONFIG = fit_demo.SMALL
 MiB = 1 << 20
@@ -301,7 +302,7 @@ def test_sweep_against_brute_force(step, graph, brute):
         # The aim: 6 compiles for up to 8 tags; while full remat does not fit, or fits
         # with less than TIGHT x the starting uncertainty (a share `band` of its bytes)
         # to spare, one more per tag.
-        roomy = hbm - brute[()].bytes >= F.TIGHT * F.DEFAULT_BAND * brute[()].bytes
+        roomy = hbm - brute[()].bytes >= S.TIGHT * S.DEFAULT_BAND * brute[()].bytes
         assert rec.compiles <= (6 if roomy else 6 + len(graph.tags))
         key = None if rec.no_remat else tuple(sorted(plan.saved_tags,
                                                      key=graph.tags.index))

@@ -32,6 +32,9 @@ from jaxpr_names import names_in  # noqa: E402
 from xla_figures import measure as _measure  # noqa: E402
 
 F = importlib.import_module("neuron_remat._fit")
+S = importlib.import_module("neuron_remat._search")  # the search and its constants
+C = importlib.import_module("neuron_remat._compile")
+G = importlib.import_module("neuron_remat._step")
 MiB = 1 << 20
 
 
@@ -55,8 +58,8 @@ def small():
 
 def test_plan_states_its_policys_compile(small):
     make_step, args, (full_bytes, full_flops) = small
-    hbm = int(full_bytes * 1.10)  # roomy: more than F.TIGHT x F.DEFAULT_BAND to spare
-    assert hbm - full_bytes > F.TIGHT * F.DEFAULT_BAND * full_bytes
+    hbm = int(full_bytes * 1.10)  # roomy: more than S.TIGHT x S.DEFAULT_BAND to spare
+    assert hbm - full_bytes > S.TIGHT * S.DEFAULT_BAND * full_bytes
     plan = nr.fit(make_step, *args, device=_device(hbm), reserve=0)
     rec = plan.compiled
     got = _measure(make_step(plan.policy), args)  # XLA, on the policy the plan carries
@@ -71,8 +74,8 @@ def test_oracle_bisects_and_its_plan_fits(small):
     """A SIMULATED backend without memory_analysis() (zoo.OomOracleSimulation): the
     compile fails with RESOURCE_EXHAUSTED over the limit."""
     make_step, args, (full_bytes, _) = small
-    hbm = int(full_bytes * 1.15)  # roomy: more than F.TIGHT x F.DEFAULT_BAND to spare,
-    assert hbm - full_bytes > F.TIGHT * F.DEFAULT_BAND * hbm  # even as the figures put it
+    hbm = int(full_bytes * 1.15)  # roomy: more than S.TIGHT x S.DEFAULT_BAND to spare,
+    assert hbm - full_bytes > S.TIGHT * S.DEFAULT_BAND * hbm  # even as the figures put it
     lines = []
     plan = nr.fit(zoo.oracle_make_step(make_step, hbm), *args, device=_device(hbm),
                   reserve=0, progress=lines.append)
@@ -81,13 +84,13 @@ def test_oracle_bisects_and_its_plan_fits(small):
     got = _measure(make_step(plan.policy), args)
     assert got[0] <= hbm and got[1] == rec.flops
     graph = F.step_graph(make_step, *args)
-    front = F._frontier(F._candidates(graph, F._pool(graph, None)))
+    front = S._frontier(S._candidates(graph, G._pool(graph, None)))
     assert rec.compiles <= math.log2(len(front)) + 3
     assert not any("compiles more" in line for line in lines), lines
 
 
 def test_oracle_explores_more_where_its_figures_put_full_remat_close_to_the_limit(small):
-    """With the compile as the oracle, 2% above full remat (within F.TIGHT x the
+    """With the compile as the oracle, 2% above full remat (within S.TIGHT x the
     uncertainty): once the out-of-memory figures put full remat that close to the limit,
     the search gets one compile more per tag (as the rescue has with memory figures), says
     so, and its plan still fits (XLA's figure)."""
@@ -97,8 +100,8 @@ def test_oracle_explores_more_where_its_figures_put_full_remat_close_to_the_limi
     plan = nr.fit(zoo.oracle_make_step(make_step, hbm), *args, device=_device(hbm),
                   reserve=0, progress=lines.append)
     graph = F.step_graph(make_step, *args)
-    tags = F._pool(graph, None)
-    cap = F._oracle_cap(len(F._frontier(F._candidates(graph, tags))))
+    tags = G._pool(graph, None)
+    cap = S._oracle_cap(len(S._frontier(S._candidates(graph, tags))))
     assert any(f"{len(tags)} compiles more" in line for line in lines), lines
     assert cap < plan.compiled.compiles <= cap + len(tags)
     assert _measure(make_step(plan.policy), args)[0] <= hbm
@@ -187,10 +190,10 @@ def _synthetic(n_tags: int, seed: int, noise: float):
             kept = MiB + 4 * sum(size[i] for i in sub)
             read = read0 - sum(size[i] for i in sub) // 4
             recompute = 5 * 10**9 + sum(gain) - sum(gain[i] for i in sub)  # untagged too
-            cands.append(F._Candidate(saved, kept, read, recompute))
+            cands.append(S._Candidate(saved, kept, read, recompute))
             table[saved] = 50 * MiB + kept + read + int(rng.uniform(-noise, noise) * MiB)
     nr_kept = MiB + 4 * sum(size) + 3 * MiB
-    cands.append(F._Candidate(None, nr_kept, 0, 0))
+    cands.append(S._Candidate(None, nr_kept, 0, 0))
     table[None] = 50 * MiB + nr_kept
     cands.sort(key=lambda c: (c.recompute, c.kept, c.saved is not None))
     return cands, table
@@ -207,11 +210,11 @@ def _run(cands, table, limit, budget=6, oracle=False, figures=False, stretch=6,
         calls.append(c.saved)
         b = table[c.saved]
         if oracle:
-            return F._Compiled(None, 0, 0, 0, 0, 1e9 + c.recompute, 0.0, oom=b > limit,
+            return C._Compiled(None, 0, 0, 0, 0, 1e9 + c.recompute, 0.0, oom=b > limit,
                                reported=b if figures and b > limit else None)
-        return F._Compiled(b, 0, 0, 0, 0, 1e9 + c.recompute, 0.0)
+        return C._Compiled(b, 0, 0, 0, 0, 1e9 + c.recompute, 0.0)
 
-    s = F._Search(list(cands), measure, limit, budget, stretch=stretch,
+    s = S._Search(list(cands), measure, limit, budget, stretch=stretch,
                   budget_given=budget_given)
     return s.run(), s, calls
 
@@ -291,7 +294,7 @@ def test_noisy_tables_always_fit_and_never_refuse_while_full_remat_fits(seed):
         assert got is not None and table[got.saved] <= limit
         # 6, or the rescue's 6 + 6 where full remat fits with less than TIGHT x the
         # starting uncertainty (a share `band` of full remat's bytes) to spare
-        tight = limit - table[()] < F.TIGHT * F.DEFAULT_BAND * table[()]
+        tight = limit - table[()] < S.TIGHT * S.DEFAULT_BAND * table[()]
         assert len(calls) <= (12 if tight else 6)
         assert got.saved in calls  # returned only what was compiled
 
@@ -305,7 +308,7 @@ def test_a_tag_that_compiles_under_full_remat_is_found_when_full_remat_fits_tigh
     effect here; full remat fits with a quarter of the starting uncertainty to spare."""
     cands, table = _synthetic(6, seed=seed, noise=0.0)
     by = {c.saved: c for c in cands}
-    limit = table[()] + int(0.25 * F.DEFAULT_BAND * table[()])
+    limit = table[()] + int(0.25 * S.DEFAULT_BAND * table[()])
     for cut in range(6):
         name = f"t{cut}"
         alone = table[(name,)] - table[()]
@@ -328,7 +331,7 @@ def test_oracle_explores_each_tag_alone_where_its_figures_put_full_remat_close(s
     the figures do not put full remat close, and t4 stays unfound."""
     cands, table = _synthetic(6, seed=seed, noise=0.0)
     by = {c.saved: c for c in cands}
-    limit = table[()] + int(0.25 * F.DEFAULT_BAND * table[()])
+    limit = table[()] + int(0.25 * S.DEFAULT_BAND * table[()])
     cap = 6  # the oracle's on these tables: 2 + ceil(log2(frontier - 1)), 11 to 14 sets
     for cut in range(6):
         name = f"t{cut}"
@@ -345,7 +348,7 @@ def test_oracle_bisection_finds_the_frontier_boundary(seed):
     """A monotone table (no noise): bisecting the predicted frontier with fit/no-fit
     answers finds the least-recompute frontier set that fits, within log2(F) + 3."""
     cands, table = _synthetic(6, seed=seed, noise=0.0)
-    front = F._frontier(cands)
+    front = S._frontier(cands)
     rng = random.Random(seed)
     for _ in range(6):
         limit = int(rng.uniform(table[()], table[None] * 1.02))
@@ -366,7 +369,7 @@ def test_oracle_spends_compiles_left_after_bisection_beside_the_frontier():
     t = {s: b - (2 * MiB if s and "t5" in s else 0) for s, b in table.items()}
     limit = t[()] + int(55.147 * MiB)  # about half way from full remat to no remat
     got, s, calls = _run(cands, t, limit, oracle=True, figures=True)
-    front = F._frontier(cands)
+    front = S._frontier(cands)
     on_front = next(c for c in front if t[c.saved] <= limit)
     assert got is not None and t[got.saved] <= limit and got.saved in calls
     assert got.recompute < on_front.recompute, (calls, s.stop)
@@ -383,7 +386,7 @@ def test_oracle_keeps_to_the_callers_budget_larger_or_smaller(seed, room):
     cands, table = _synthetic(6, seed=seed, noise=1.0)
     limit = table[()] + int(room * MiB)
     best = next(c for c in cands if table[c.saved] <= limit)  # the brute force
-    cap = F._oracle_cap(len(F._frontier(cands)))
+    cap = S._oracle_cap(len(S._frontier(cands)))
 
     got, s, calls = _run(cands, table, limit, oracle=True, figures=True)
     assert len(calls) == cap and got is not best and "budget" in s.stop
@@ -402,10 +405,10 @@ def _by_hand(sizes, gains, table_mib):
     """Candidates and a byte table for a search by hand: each tag keeps `sizes[t]` half-MiB
     units (and its recompute reads a little less), saves `gains[t]` GFLOP; `table_mib`
     gives each save set's compiled MiB (None: no remat)."""
-    cands = [F._Candidate(None, 20 * MiB, 0, 0)]
+    cands = [S._Candidate(None, 20 * MiB, 0, 0)]
     for saved in (s for s in table_mib if s is not None):
         n = sum(sizes[t] for t in saved)
-        cands.append(F._Candidate(saved, MiB + n * MiB // 2, 2 * MiB - n * MiB // 8,
+        cands.append(S._Candidate(saved, MiB + n * MiB // 2, 2 * MiB - n * MiB // 8,
                                   10**10 + 10**9 * (10 - sum(gains[t] for t in saved))))
     cands.sort(key=lambda c: (c.recompute, c.kept, c.saved is not None))
     return cands, {k: int(v * MiB) for k, v in table_mib.items()}
@@ -423,7 +426,7 @@ def test_oracle_rescue_walks_on_after_a_set_fits():
     cands, table = _by_hand(sizes, gains, table)
     got, s, calls = _run(cands, table, int(99.5 * MiB), oracle=True, figures=True, stretch=3)
     assert ("t0",) in calls and got is not None and got.saved == ("t0", "t1"), (calls, s.stop)
-    assert len(calls) <= F._oracle_cap(len(F._frontier(cands)))
+    assert len(calls) <= S._oracle_cap(len(S._frontier(cands)))
 
 
 def test_a_miss_on_one_tag_moves_the_prediction_of_a_tag_the_trace_cannot_tell_apart():
@@ -443,20 +446,20 @@ def test_a_miss_on_one_tag_moves_the_prediction_of_a_tag_the_trace_cannot_tell_a
     by = {c.saved: c for c in cands}
     fixed = table[()] - by[()].kept - by[()].read  # full remat exactly as the model says
     table[("a",)] = fixed + by[("a",)].kept + by[("a",)].read + MiB  # a: 1 MiB over it
-    s = F._Search(list(cands), lambda c, p: F._Compiled(table[c.saved], 0, 0, 0, 0, 1e9,
+    s = S._Search(list(cands), lambda c, p: C._Compiled(table[c.saved], 0, 0, 0, 0, 1e9,
                                                         0.0), 200 * MiB, 6)
     s._scale = float(table[()])
-    s.model = F._Model(float(fixed), 1.0, 1.0)  # fixed by hand, as the misses below
-    t2, e2, r = (F.TAG_SD * table[()]) ** 2, (F.SET_SD * table[()]) ** 2, float(MiB)
-    assert 0 < F.ALIKE < 1
-    assert s._tag_effect(("a", "b"))[1] == pytest.approx(t2 * (2 + 2 * F.ALIKE) + e2,
+    s.model = S._Model(float(fixed), 1.0, 1.0)  # fixed by hand, as the misses below
+    t2, e2, r = (S.TAG_SD * table[()]) ** 2, (S.SET_SD * table[()]) ** 2, float(MiB)
+    assert 0 < S.ALIKE < 1
+    assert s._tag_effect(("a", "b"))[1] == pytest.approx(t2 * (2 + 2 * S.ALIKE) + e2,
                                                          rel=1e-6)
     s._measure(by[()])
     s._measure(by[("a",)])
-    s.model = F._Model(float(fixed), 1.0, 1.0)  # the misses: 0 and 1 MiB
+    s.model = S._Model(float(fixed), 1.0, 1.0)  # the misses: 0 and 1 MiB
     mean_b, var_b = s._tag_effect(("b",))
-    assert mean_b == pytest.approx(F.ALIKE * t2 * r / (t2 + e2), rel=1e-6)
-    assert var_b == pytest.approx(t2 - (F.ALIKE * t2) ** 2 / (t2 + e2) + e2, rel=1e-6)
+    assert mean_b == pytest.approx(S.ALIKE * t2 * r / (t2 + e2), rel=1e-6)
+    assert var_b == pytest.approx(t2 - (S.ALIKE * t2) ** 2 / (t2 + e2) + e2, rel=1e-6)
     for other in ("c", "d"):
         mean, var = s._tag_effect((other,))
         assert abs(mean) < 1e-6 * r and var == pytest.approx(t2 + e2, rel=1e-6), other
@@ -476,12 +479,12 @@ def _last_compile(limit_mib, budget):
 
     def measure(c, predicted):
         calls.append(c.saved)
-        return F._Compiled(table[c.saved], 0, 0, 0, 0, 1e9 + c.recompute, 0.0)
+        return C._Compiled(table[c.saved], 0, 0, 0, 0, 1e9 + c.recompute, 0.0)
 
-    s = F._Search(list(cands), measure, int(limit_mib * MiB), budget)
-    s._scale, s._floor = float(table[()]), F.FLOOR * table[()]
-    s.sigma = F.DEFAULT_BAND * table[()]
-    s.model = F._Model(float(table[()] - by[()].kept - by[()].read), 1.0, 1.0)
+    s = S._Search(list(cands), measure, int(limit_mib * MiB), budget)
+    s._scale, s._floor = float(table[()]), S.FLOOR * table[()]
+    s.sigma = S.DEFAULT_BAND * table[()]
+    s.model = S._Model(float(table[()] - by[()].kept - by[()].read), 1.0, 1.0)
     for saved in ((), ("a", "b", "c"), ("c",)):
         s._measure(by[saved])
     got = s._walk()
@@ -526,7 +529,7 @@ def test_oracle_reads_a_set_that_compiled_as_at_most_the_limit():
     best = min((c for c in cands if table[c.saved] <= limit), key=lambda c: c.recompute)
     assert best.saved == ("a", "b", "c")
     assert got is not None and got.saved == best.saved, (calls, s.stop)
-    assert len(calls) <= F._oracle_cap(len(F._frontier(cands)))
+    assert len(calls) <= S._oracle_cap(len(S._frontier(cands)))
 
 
 def _flat_table():
@@ -548,7 +551,7 @@ def test_oracle_notices_memory_that_does_not_follow_the_kept_bytes():
     got, s, calls = _run(cands, table, limit, oracle=True, figures=True)
     assert s.oracle and "does not follow" in s.noticed
     assert got is not None and table[got.saved] <= limit and got.saved in calls
-    front = F._frontier(cands)
+    front = S._frontier(cands)
     assert len(calls) <= math.log2(len(front)) + 3
 
 
@@ -565,14 +568,14 @@ def test_oracle_on_flat_memory_tries_the_least_recompute_save_set():
     got, s, calls = _run(cands, table, limit, oracle=True, figures=True)
     assert "does not follow" in s.noticed, (calls, s.stop)
     assert got is not None and got.saved == every.saved, (calls, s.stop)
-    assert len(calls) <= F._oracle_cap(len(F._frontier(cands)))
+    assert len(calls) <= S._oracle_cap(len(S._frontier(cands)))
 
 
 def test_no_remat_is_planned_with_its_own_policy():
     cands, table = _synthetic(4, seed=1, noise=0.0)
     got, s, _ = _run(cands, table, table[None] + MiB)
     assert got.saved is None
-    assert F._policy(None) is jax.checkpoint_policies.everything_saveable
+    assert C._policy(None) is jax.checkpoint_policies.everything_saveable
 
 
 # --------------------------------------------------------------------------------------
@@ -590,13 +593,13 @@ def test_no_remat_is_planned_with_its_own_policy():
     ("something exceeds the high-bandwidth memory of the device", None),
 ])
 def test_out_of_memory_signals(message, figure):
-    assert F.out_of_memory(RuntimeError(message)) == (True, figure)
+    assert C.out_of_memory(RuntimeError(message)) == (True, figure)
 
 
 @pytest.mark.parametrize("message", ["INVALID_ARGUMENT: shapes do not match",
                                      "NCC_EBVF030: unsupported operator"])
 def test_other_compile_errors_are_not_out_of_memory(message):
-    assert F.out_of_memory(RuntimeError(message)) == (False, None)
+    assert C.out_of_memory(RuntimeError(message)) == (False, None)
 
 
 @pytest.mark.parametrize("options, match", [

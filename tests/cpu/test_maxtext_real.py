@@ -195,10 +195,11 @@ def test_fit_against_the_compiled_brute_force(step):
     import neuron_remat as nr
 
     F = importlib.import_module("neuron_remat._fit")
+    G = importlib.import_module("neuron_remat._step")
     logging.getLogger("neuron_remat.fit").setLevel(logging.ERROR)
     make_step, args, full, none = step
     graph = F.step_graph(make_step, *args)
-    pool = F._pool(graph, None)[:BRUTE_TAGS]  # noqa: SLF001
+    pool = G._pool(graph, None)[:BRUTE_TAGS]  # noqa: SLF001
     table = {None: (none, None)}
     for r in range(len(pool) + 1):
         for subset in itertools.combinations(pool, r):

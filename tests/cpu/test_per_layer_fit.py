@@ -157,11 +157,11 @@ def test_choose_mix_is_the_brute_force_over_counts():
     import itertools
     import random
 
-    F = importlib.import_module("neuron_remat._fit")
+    M = importlib.import_module("neuron_remat._mix")
     rng = random.Random(7)
     for trial in range(40):
-        sets = [F._MixSet(None, rng.randint(50, 100), 0, 0.0)] + [
-            F._MixSet((f"t{i}",), rng.randint(0, 60), rng.randint(0, 30),
+        sets = [M._MixSet(None, rng.randint(50, 100), 0, 0.0)] + [
+            M._MixSet((f"t{i}",), rng.randint(0, 60), rng.randint(0, 30),
                       float(rng.randint(1, 50))) for i in range(3)]
         layers = rng.randint(2, 4)
         room = rng.randint(40, 100 * layers)
@@ -174,7 +174,7 @@ def test_choose_mix_is_the_brute_force_over_counts():
             if nbytes <= room:
                 cost = sum(sets[i].cost for i in pick)
                 best = cost if best is None else min(best, cost)
-        got = F._choose_mix(sets, layers, room, 2)
+        got = M._choose_mix(sets, layers, room, 2)
         if best is None:
             assert got is None, trial
             continue

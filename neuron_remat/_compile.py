@@ -1,0 +1,148 @@
+"""One compile of a training step: what the backend says about one save set.
+
+`_compile` lowers and AOT-compiles a step (``jit(step).lower(*args).compile()``) and reads
+``memory_analysis()`` (argument + output + temp - alias) and ``cost_analysis()``. A
+backend without memory figures (it raises, returns None, or reports nothing) gives
+``bytes=None``; a compile that fails for want of device memory (`out_of_memory`: XLA's
+``RESOURCE_EXHAUSTED``, neuronx-cc's NCC_EOOM001/NCC_EOOM002) gives ``oom=True`` and the
+largest byte figure its message names. `Probe` is a compile as `fit` reports it; `_policy`
+is the JAX policy of a save set, what is compiled and what a plan carries.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from ._trace import _aval_bytes
+from .policies import RegexPolicy
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One compile of the training step (`fit`): what XLA allocated and computed.
+
+    `bytes` is ``argument + output + temp - alias`` from ``memory_analysis()`` (-1 when the
+    backend reports none: then the compile is the oracle, `out_of_memory` its answer);
+    `saved` is None for no remat. `predicted_bytes` is what the fitted model said before
+    this compile (None for the probes it was fitted on)."""
+
+    label: str
+    saved: tuple[str, ...] | None
+    bytes: int
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    flops: float
+    seconds: float
+    predicted_bytes: int | None = None
+    out_of_memory: bool = False  # the compile failed for want of device memory
+    reported_bytes: int | None = None  # the byte figure that failure gave, if any
+
+
+def _jitted(step: Any) -> Any:
+    return step if hasattr(step, "lower") else jax.jit(step)
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """One compile. `bytes` is None when the backend cannot report memory (then the
+    compile itself is the oracle: `oom` says whether it ran out)."""
+
+    bytes: int | None
+    argument: int
+    output: int
+    temp: int
+    alias: int
+    flops: float
+    seconds: float
+    oom: bool = False
+    reported: int | None = None  # the largest byte figure an out-of-memory error gave
+    fixed: int | None = None  # arguments + outputs - donated (from the lowering)
+
+    def over(self, limit: int) -> bool:
+        return self.oom or (self.bytes is not None and self.bytes > limit)
+
+
+OOM_SIGNALS = ("RESOURCE_EXHAUSTED", "NCC_EOOM001", "NCC_EOOM002",
+               "exceeds the high-bandwidth memory")
+"""What a compile failure says when the program does not fit the device: XLA's status
+code, and neuronx-cc's out-of-memory errors."""
+
+_UNITS = {"b": 1, "bytes": 1, "byte": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def out_of_memory(err: BaseException) -> tuple[bool, int | None]:
+    """Whether a compile error says the program does not fit device memory, and the
+    largest byte figure the message gives (None when it gives none)."""
+    import re  # noqa: PLC0415
+
+    text = f"{type(err).__name__}: {err}"
+    if not any(s.lower() in text.lower() for s in OOM_SIGNALS):
+        return False, None
+    figures = [float(n.replace(",", "")) * _UNITS[u.lower()] for n, u in re.findall(
+        r"(\d[\d,]*(?:\.\d+)?)\s*(bytes|byte|[KMGT]i?B|B)\b", text, flags=re.I)]
+    return True, (int(max(figures)) if figures else None)
+
+
+def _fixed_bytes(lowered: Any, args: Sequence[Any]) -> int | None:
+    """Arguments + outputs - donated arguments: what the step holds whatever the policy,
+    donated state counted once."""
+    try:
+        infos = jax.tree.leaves(lowered.args_info)
+        outs = jax.tree.leaves(lowered.out_info)
+        arg = sum(_aval_bytes(i._aval) for i in infos)  # noqa: SLF001
+        donated = sum(_aval_bytes(i._aval) for i in infos if i.donated)  # noqa: SLF001
+        out = sum(_aval_bytes(o) for o in outs)
+    except Exception:  # noqa: BLE001 - a wrapper without the lowering's metadata
+        return None
+    return arg + out - min(donated, out)
+
+
+def _compile(step: Any, args: Sequence[Any]) -> _Compiled:
+    start = time.perf_counter()
+    lowered = _jitted(step).lower(*args)
+    fixed = _fixed_bytes(lowered, args)
+    try:
+        compiled = lowered.compile()
+    except Exception as err:
+        oom, figure = out_of_memory(err)
+        if not oom:
+            raise
+        return _Compiled(None, 0, 0, 0, 0, float("nan"), time.perf_counter() - start,
+                         oom=True, reported=figure, fixed=fixed)
+    seconds = time.perf_counter() - start
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+              "alias_size_in_bytes")
+    try:
+        mem = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - any backend's way of saying "not here"
+        mem = None
+    try:
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        flops = float(cost.get("flops", float("nan"))) if cost else float("nan")
+    except Exception:  # noqa: BLE001
+        flops = float("nan")
+    if mem is None or not all(hasattr(mem, f) for f in fields):
+        return _Compiled(None, 0, 0, 0, 0, flops, seconds, fixed=fixed)
+    arg, out, temp, alias = (int(getattr(mem, f)) for f in fields)
+    if arg + out + temp <= 0:
+        return _Compiled(None, 0, 0, 0, 0, flops, seconds, fixed=fixed)
+    return _Compiled(arg + out + temp - alias, arg, out, temp, alias, flops, seconds,
+                     fixed=fixed)
+
+
+def _policy(saved: tuple[str, ...] | None) -> Any:
+    """The JAX policy of a save set: what `fit` compiles and what the plan carries."""
+    import re  # noqa: PLC0415
+
+    if saved is None:
+        return jax.checkpoint_policies.everything_saveable
+    return RegexPolicy([re.escape(t) for t in saved])

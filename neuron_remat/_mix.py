@@ -1,0 +1,236 @@
+"""Per-layer plans against the compiled step (``fit(..., per_layer=True)``).
+
+`fit_per_layer` takes a uniform plan `fit` returned and looks for a mix of save sets over
+the layers (no remat among them) that recomputes less and still fits, priced from `fit`'s
+compiles (`_mix_sets`), chosen by an exact knapsack (`_choose_mix`) and confirmed by a
+compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._compile import Probe, _compile, _policy
+from ._format import fmt_bytes
+from ._search import NO_REMAT, _Model
+from ._step import StepGraph, _pool, step_graph
+from .planner import Plan
+
+logger = logging.getLogger("neuron_remat.fit")  # the public name, not the private module's
+
+
+MIX_ATTEMPTS = 3
+"""Compiles `fit_per_layer` spends on mixes: after a compiled mix misses its prediction,
+the miss is reserved and the mix chosen again."""
+
+
+@dataclass(frozen=True)
+class _MixSet:
+    """One save set as a per-layer plan prices it: `per_layer` is what one layer adds to the
+    compiled step (calibrated on the compiles), `workspace` what the backward of the set
+    holds once (the model's slope x recomputed reads), `cost` its recompute per layer."""
+
+    saved: tuple[str, ...] | None  # None: no remat
+    per_layer: int
+    workspace: int
+    cost: float
+
+
+def _mix_sets(graph: StepGraph, tags: Sequence[str], probes: Sequence[Probe]
+              ) -> tuple[list[_MixSet], _Model]:
+    """Every subset of `tags` and no remat, priced from the compiles: a compiled set's own
+    figure, otherwise the model fitted on the compiles (as `fit`'s search does)."""
+    def shape(saved: tuple[str, ...] | None) -> tuple[int, int]:
+        if saved is None:
+            return graph.no_remat_kept_bytes(), 0
+        return graph.kept_bytes(saved), graph.read_bytes(saved)
+
+    own = [p for p in probes
+           if p.bytes >= 0 and not p.out_of_memory and p.label != "per-layer mix"
+           and (p.saved is None or all(t in graph.tags for t in p.saved))]
+    compiled = {p.saved: p.bytes for p in own}
+    model = _Model.calibrate([(b, *shape(s)) for s, b in compiled.items()])
+    n = graph.count
+    # Recompute as XLA counts it: a rolled scan's FLOPs count its body once, so a compiled
+    # set's FLOPs less no remat's are one layer's recompute. Sets not compiled: the layer
+    # graph's count, scaled by what XLA counted over the graph on the compiled sets.
+    flops = {p.saved: p.flops for p in own if math.isfinite(p.flops)}
+    xla: dict[tuple[str, ...], float] = {}
+    if None in flops:
+        xla = {s: max(f - flops[None], 0.0) for s, f in flops.items() if s is not None}
+    counted = sum(graph.recompute_flops(s) / n for s in xla)
+    ratio = sum(xla.values()) / counted if xla and counted > 0 else 1.0
+    found = []
+    for saved in [*(c for r in range(len(tags) + 1) for c in itertools.combinations(tags, r)),
+                  None]:
+        kept, read = shape(saved)
+        ws = 0 if saved is None else int(round(model.slope * read))
+        total = compiled.get(saved)
+        if total is None:
+            total = model.predict(kept, read)
+        cost = 0.0 if saved is None else xla.get(
+            saved, ratio * float(graph.recompute_flops(saved)) / n)
+        found.append(_MixSet(saved, int(math.ceil((total - model.intercept - ws) / n)), ws,
+                             cost))
+    return found, model
+
+
+def _choose_mix(sets: Sequence[_MixSet], layers: int, room: int, max_sets: int | None
+                ) -> tuple[float, list[tuple[_MixSet, int]]] | None:
+    """The least-recompute counts of `sets` over `layers` layers whose per-layer bytes plus
+    the largest workspace of the sets used stay within `room` (bytes above the model's
+    intercept); None when nothing fits."""
+    from . import planner  # noqa: PLC0415
+
+    low = min(s.per_layer for s in sets)
+    found: tuple[float, int, list[tuple[_MixSet, int]]] | None = None
+    for ws in sorted({s.workspace for s in sets}):
+        allowed = [s for s in sets if s.workspace <= ws]
+        # Pareto sets only (least cost first, each smaller than any cheaper one).
+        front: list[_MixSet] = []
+        for s in sorted(allowed, key=lambda s: (s.cost, s.per_layer)):
+            if not front or s.per_layer < front[-1].per_layer:
+                front.append(s)
+        cap = room - ws - layers * low
+        answer = planner._knapsack([(s.per_layer - low, s.cost) for s in front],  # noqa: SLF001
+                                   layers, cap, max_sets)
+        if answer is None:
+            continue
+        cost, nbytes, counts, _ = answer
+        if found is None or (cost, nbytes) < found[:2]:
+            found = (cost, nbytes, [(s, k) for s, k in zip(front, counts) if k])
+    return None if found is None else (found[0], found[2])
+
+
+def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
+                  max_sets: int | None = 2,
+                  progress: Callable[[str], None] | None = None) -> Plan:
+    """A per-layer mix of save sets (no remat among them) for the step `uniform` was fitted
+    on, confirmed by compiling it.
+
+    Relies only on what `fit` returns and on the step: the compiles of `uniform.compiled`
+    (the limit, and each compiled set's bytes) and the step's layer graph (`step_graph`).
+    Each set is priced per layer from the compiles: a compiled set's figure, less the
+    fitted intercept and its workspace, over the layers (so "every tag" and no remat, when
+    `fit` compiled them, are exact end points); a set not compiled gets the fitted model's
+    figure. The mix is the exact knapsack over the layers (at most `max_sets` sets, each
+    set's workspace counted once), and ``make_step`` is then called with a tuple of one
+    policy per layer (`scan_layers` runs such a tuple as one scan per run of equal
+    policies). Running the stack as several scans costs memory of its own; a compiled mix
+    over the limit has its miss (compiled - predicted) reserved and the mix is chosen
+    again, up to `MIX_ATTEMPTS` compiles. When none fits (or the step has layers of
+    several kinds, or no memory analysis), the uniform plan is returned with a note.
+    """
+    from .planner import LayerMix  # noqa: PLC0415
+
+    say = progress or (lambda line: logger.info("%s", line))
+    rec = uniform.compiled
+    graph = step_graph(make_step, *args)
+
+    def keep(note: str) -> Plan:
+        return dataclasses.replace(uniform, notes=(*uniform.notes, note))
+
+    if rec is None or not rec.measured:
+        return keep("per-layer plan: not tried (no compiled calibration)")
+    if rec.no_remat:
+        return uniform  # nothing recomputes less
+    if len(graph.layers) != 1:
+        return keep(f"per-layer plan: not tried ({len(graph.layers)} kinds of checkpointed "
+                    "layer; one scanned stack is supported)")
+    n = graph.count
+    tags = _pool(graph, None)
+    best_tags = tuple(t for t in tags if t in uniform.saved_tags)  # as `_mix_sets` orders
+    probes = list(rec.probes)
+    if not any(p.saved is None and p.label != "per-layer mix" for p in probes):
+        # The other end point of the mixes, measured: no remat's untagged values make it
+        # the model's least certain figure.
+        say(f"compile {len(probes) + 1}: no remat (the per-layer plan's end point) ...")
+        c = _compile(make_step(_policy(None)), args)
+        if c.bytes is None:
+            return keep("per-layer plan: the backend has no memory_analysis(); not tried")
+        probes.append(Probe(NO_REMAT, None, c.bytes, c.argument, c.output, c.temp, c.alias,
+                            c.flops, c.seconds))
+        say(f"compile {len(probes)}: {fmt_bytes(c.bytes)}")
+        rec = dataclasses.replace(rec, probes=tuple(probes), compiles=len(probes))
+        uniform = dataclasses.replace(uniform, compiled=rec)
+    sets, model = _mix_sets(graph, tags, probes)
+    by_saved = {s.saved: s for s in sets}
+    if best_tags not in by_saved:
+        return keep("per-layer plan: not tried (the uniform set is not among the tags "
+                    "worth deciding)")
+    uniform_cost = by_saved[best_tags].cost
+    # The per-layer plan states recompute as XLA counted it (see `_mix_sets`), the uniform
+    # set's too, so that the two compare.
+    uniform = dataclasses.replace(uniform, recompute_flops_per_layer=uniform_cost)
+
+    def mix_of(chosen: list[tuple[_MixSet, int]]) -> tuple[LayerMix, ...]:
+        mix = []
+        for s, k in sorted(chosen, key=lambda c: (c[0].cost, c[0].saved or ())):
+            saved = tuple(graph.tags) if s.saved is None else s.saved
+            kept = graph.no_remat_kept_bytes() if s.saved is None else graph.kept_bytes(s.saved)
+            mix.append(LayerMix(saved, k, kept // n, s.cost, None, _policy(s.saved)))
+        return tuple(mix)
+
+    reserve = 0
+    c = None
+    for attempt in range(MIX_ATTEMPTS):
+        room = int(rec.limit_bytes - model.intercept - reserve)
+        answer = _choose_mix(sets, n, room, max_sets)
+        if answer is None or len(answer[1]) == 1 or answer[0] >= uniform_cost * n:
+            if attempt == 0:  # the best mix is the uniform set
+                one = by_saved.get(best_tags)
+                return dataclasses.replace(
+                    uniform, layer_policies=None,
+                    layer_mix=mix_of([(one, n)]) if one is not None else (),
+                    notes=(*uniform.notes, "per-layer plan: no mix that recomputes less is "
+                           f"predicted to fit {fmt_bytes(rec.limit_bytes)}"))
+            break
+        cost, chosen = answer
+        predicted = int(round(model.intercept + sum(s.per_layer * k for s, k in chosen)
+                              + max(s.workspace for s, _ in chosen)))
+        mix = mix_of(chosen)
+        per = tuple(m.policy for m in mix for _ in range(m.layers))
+        say(f"compile {len(probes) + 1}: per-layer mix " + "; ".join(
+            f"{m.layers} x {NO_REMAT if s.saved is None else list(m.tags)}"
+            for m, (s, _) in zip(mix, sorted(chosen, key=lambda c: (c[0].cost,
+                                                                     c[0].saved or ()))))
+            + f", predicted {fmt_bytes(predicted + reserve)} ...")
+        c = _compile(make_step(per), args)
+        if c.bytes is None and not c.oom:
+            return keep("per-layer plan: the backend has no memory_analysis(); not confirmed")
+        probes.append(Probe("per-layer mix", None, c.bytes if c.bytes is not None else -1,
+                            c.argument, c.output, c.temp, c.alias, c.flops, c.seconds,
+                            predicted + reserve, out_of_memory=c.oom,
+                            reported_bytes=c.reported))
+        say(f"compile {len(probes)}: " + ("out of memory" if c.oom else
+            f"{fmt_bytes(c.bytes)} ({'fits' if not c.over(rec.limit_bytes) else 'over'} "
+            f"{fmt_bytes(rec.limit_bytes)})"))
+        record = dataclasses.replace(rec, probes=tuple(probes), compiles=len(probes))
+        if not c.over(rec.limit_bytes):
+            # The plan's compiled figures are the mixed step's, the one it hands out; its
+            # recompute is the layer graph's (a rolled scan's FLOPs count one body per scan).
+            record = dataclasses.replace(record, bytes=int(c.bytes), flops=c.flops,
+                                         recompute_flops=cost)
+            return dataclasses.replace(
+                uniform, layer_mix=mix, layer_policies=per, compiled=record,
+                notes=(*uniform.notes, f"per-layer mix compiled to {fmt_bytes(c.bytes)} "
+                       f"<= {fmt_bytes(rec.limit_bytes)} limit (predicted "
+                       f"{fmt_bytes(predicted)} + {fmt_bytes(reserve)} reserved for running "
+                       "the stack as several scans)"))
+        uniform = dataclasses.replace(uniform, compiled=record)
+        rec = record
+        if c.bytes is None:  # out of memory, no figure: nothing to reserve by
+            break
+        reserve = max(reserve + 1, c.bytes - predicted)
+    if c is None or not c.over(rec.limit_bytes):
+        over = "no mix recomputes less and fits once the compiled misses are reserved"
+    else:
+        got = "out of memory" if c.bytes is None else f"{fmt_bytes(c.bytes)} >"
+        over = f"the compiled mix did not fit ({got} {fmt_bytes(rec.limit_bytes)})"
+    return keep(f"per-layer plan: {over}; the uniform plan stands")

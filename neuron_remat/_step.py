@@ -1,0 +1,194 @@
+"""The per-layer graphs of a training step, read from its jaxpr.
+
+`step_graph(make_step, *args)` traces ``make_step(save nothing)`` once (no compile) and
+finds each checkpointed layer's backward: a ``remat2`` equation with
+``differentiated=True`` (inside the backward ``scan`` of a scanned stack, once per
+unrolled layer). Its jaxpr is the transposed layer: residual inputs (with nothing saved:
+the layer's inputs), then the output cotangents. The equations that do not depend on the
+cotangents are the recomputation, the others the backward proper, and the recomputed
+values the backward reads are what any policy must either keep or recompute. That makes
+one exact `graph.LayerGraph` per layer (`LayerBackward`): for every save set, the bytes
+kept and the FLOPs recomputed, jointly; `StepGraph` sums them over the step's layers.
+`_pool` picks the tags worth deciding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+
+from . import _trace
+from ._compile import _jitted
+from ._jax_compat import is_name_primitive, remat3_off, save_only_these_names
+from .graph import LayerGraph
+
+
+def _depends(jaxpr: Any, seeds: set[Any]) -> tuple[set[Any], list[bool]]:
+    """Variables depending on `seeds`, and for each equation whether it does."""
+    tainted = set(seeds)
+    marks = []
+    for eqn in jaxpr.eqns:
+        hit = any(isinstance(v, jcore.Var) and v in tainted for v in eqn.invars)
+        marks.append(hit)
+        if hit:
+            tainted.update(eqn.outvars)
+    return tainted, marks
+
+
+def _cotangent_count(body: Any) -> int:
+    """How many trailing inputs of a transposed remat body are output cotangents.
+
+    JAX's remat transpose binds the residuals (the layer's non-linear primal inputs, and
+    saved values) first, then the nonzero output cotangents. The cotangents are the
+    largest trailing run of inputs that no tag (``checkpoint_name``) depends on, and every
+    gradient the body returns depends on them. (The smallest run that every gradient
+    depends on is not enough: with a carry and a per-layer output, the output's cotangent
+    alone reaches every gradient.) A trailing parameter that feeds no tag would be taken
+    for a cotangent too; it only moves work the backward does anyway between the two
+    sides, and keeps nothing."""
+    n = len(body.invars)
+    outs = [v for v in body.outvars if isinstance(v, jcore.Var)]
+    found = 0
+    for k in range(1, n):
+        _, marks = _depends(body, set(body.invars[n - k:]))
+        if any(m and is_name_primitive(e.primitive) for m, e in zip(marks, body.eqns)):
+            break
+        found = k
+    if found:
+        tainted, _ = _depends(body, set(body.invars[n - found:]))
+        if all(v in tainted for v in outs):
+            return found
+    raise ValueError("cannot tell the output cotangents from the residuals in a layer's "
+                     "backward: no trailing inputs that the gradients depend on and no tag "
+                     "does")
+
+
+@dataclass(frozen=True)
+class LayerBackward:
+    """One checkpointed layer's backward, as the traced step holds it.
+
+    `graph` is exact for any save set (`LayerGraph.evaluate_roles` with tag names as the
+    roles); `count` is how many times the step runs it (a scan's length, or 1 per
+    unrolled copy); `needed` are the forward values its backward reads."""
+
+    graph: LayerGraph
+    count: int
+    tags: tuple[str, ...]
+    needed: tuple[str, ...]
+
+    def recomputed_read_bytes(self, saved: Iterable[str]) -> int:
+        """Bytes of the values this layer's backward reads that a save set recomputes:
+        what its working set holds beyond the kept residuals."""
+        ev = self.graph.evaluate_roles(saved)
+        skip = set(ev.kept) | set(self.graph.inputs) | set(self.graph.params)
+        return sum(self.graph.values[v].bytes for v in self.needed if v not in skip)
+
+
+def _layer_backward(body: Any, count: int) -> LayerBackward:
+    """The graph of one transposed remat body (`_trace.jaxpr_graph`): the cotangents are
+    unknown; of the residuals, those shaped like a cotangent are the layer's activations
+    (the carry), the others its parameters."""
+    n_ct = _cotangent_count(body)
+    n_res = len(body.invars) - n_ct
+    ct_avals = {(tuple(v.aval.shape), str(v.aval.dtype)) for v in body.invars[n_res:]}
+    activation = [(tuple(v.aval.shape), str(v.aval.dtype)) in ct_avals
+                  for v in body.invars[:n_res]] + [False] * n_ct
+    graph = _trace.jaxpr_graph(body, unknown=[False] * n_res + [True] * n_ct,
+                               activation=activation)
+    tags = tuple(dict.fromkeys(v.role for v in graph.values.values() if v.role is not None))
+    return LayerBackward(graph, count, tags, graph.needed())
+
+
+def _remat_bodies(jaxpr: Any, mult: int = 1) -> Iterable[tuple[Any, int]]:
+    for eqn in jaxpr.eqns:
+        if str(eqn.primitive) == "remat2" and eqn.params.get("differentiated"):
+            yield eqn.params["jaxpr"], mult
+            continue
+        for sub, m in _trace._sub_jaxprs(eqn):
+            yield from _remat_bodies(sub, mult * m)
+
+
+@dataclass(frozen=True)
+class StepGraph:
+    """Every checkpointed layer's backward in one training step."""
+
+    layers: tuple[LayerBackward, ...]
+    tags: tuple[str, ...]
+    no_remat_flops: int  # the step's FLOPs without remat (jaxpr count, scans multiplied)
+
+    @property
+    def count(self) -> int:
+        return sum(layer.count for layer in self.layers)
+
+    def kept_bytes(self, saved: Iterable[str]) -> int:
+        """Bytes every layer's residuals take, all layers together."""
+        s = tuple(saved)
+        return sum(layer.count * layer.graph.evaluate_roles(s).kept_bytes for layer in self.layers)
+
+    def recompute_flops(self, saved: Iterable[str]) -> int:
+        s = tuple(saved)
+        return sum(layer.count * layer.graph.evaluate_roles(s).recompute_flops
+                   for layer in self.layers)
+
+    def no_remat_kept_bytes(self) -> int:
+        """What every layer keeps without remat: every value its backward reads."""
+        return sum(layer.count * layer.graph.evaluate(lambda v: True).kept_bytes
+                   for layer in self.layers)
+
+    def read_bytes(self, saved: Iterable[str]) -> int:
+        s = tuple(saved)
+        return max(layer.recomputed_read_bytes(s) for layer in self.layers)
+
+
+def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
+    """Trace ``make_step(save nothing)`` on `args` (no compile) and read its layers.
+
+    The trace uses JAX's original remat implementation even when ``jax_remat3`` is on: its
+    backward keeps each layer in a ``remat2`` equation whose recomputation carries the
+    tags, while remat3 inlines the layer and drops them. A `RegexPolicy` makes the same
+    decisions under both, so the graph is the same; the probes compile under the
+    implementation the host really runs."""
+    with remat3_off():
+        closed = jax.make_jaxpr(_jitted(make_step(save_only_these_names())))(*args)
+    layers = [_layer_backward(body, m) for body, m in _remat_bodies(closed.jaxpr)]
+    if not layers:
+        raise ValueError(
+            "make_step(policy) built a step with no checkpointed layer: its jaxpr holds no "
+            "remat2 equation with differentiated=True. Wrap each layer in "
+            "jax.checkpoint(layer, policy=policy) (inside its scan) and differentiate it")
+    tags: dict[str, None] = {}
+    for layer in layers:
+        tags.update((t, None) for t in layer.tags)
+    # Tags no backward reads are DCE'd from the remat bodies; list them too (saving one
+    # keeps nothing and saves nothing, and the plan says so).
+    tags.update((e.params["name"], None) for e, _ in _trace._walk(closed.jaxpr)
+                if _trace.is_name_primitive(e.primitive))
+    no_remat = jax.make_jaxpr(_jitted(make_step(
+        jax.checkpoint_policies.everything_saveable)))(*args)
+    return StepGraph(tuple(layers), tuple(tags), _trace.jaxpr_cost(no_remat.jaxpr).flops)
+
+
+def _pool(graph: StepGraph, candidates: Iterable[str] | None) -> tuple[str, ...]:
+    """The tags worth deciding: those whose saving changes what is kept or recomputed."""
+    if candidates is not None:
+        if isinstance(candidates, str):
+            candidates = candidates.split(",")
+        chosen = [c.strip() for c in candidates]
+        bad = [c for c in chosen if c not in graph.tags]
+        if bad:
+            raise ValueError(f"candidates {bad} are not tags of this step; its tags: "
+                             f"{list(graph.tags)}")
+    else:
+        chosen = list(graph.tags)
+    # Useful: saving it recomputes less, alone or beside every other tag (a tag may pay
+    # only with others).
+    base = graph.recompute_flops(())
+    everything = tuple(chosen)
+    most = graph.recompute_flops(everything)
+    return tuple(t for t in dict.fromkeys(chosen)
+                 if graph.recompute_flops((t,)) < base
+                 or most < graph.recompute_flops(tuple(o for o in everything if o != t)))
