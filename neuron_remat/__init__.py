@@ -17,13 +17,16 @@ if TYPE_CHECKING:  # the names below, for type checkers; at run time each loads 
     from ._trace import traced_footprint
     from ._audit import AuditReport, audit
     from .device import DeviceSpec, detect, from_instance_type, parse_device
-    from ._fit import CompiledFit, Probe, fit, fit_per_layer, fit_table
+    from ._compile import Probe
+    from ._fit import CompiledFit, fit, fit_table
+    from ._mix import fit_per_layer
     from .memory_model import (Budget, Footprint, TagCost, budget, layer_footprint,
                                model_state_bytes)
     from .models import (AXLEARN_TAGS, MAXTEXT_TAGS, MODELS, Parallelism, StepShape,
                          TagNames, TransformerConfig, from_hf_config, get_model)
     from .multihost import PolicyMismatchError
-    from .planner import LayerMix, NoFitError, Plan, plan, plan_footprint
+    from ._plan import LayerMix, NoFitError, Plan
+    from .planner import plan, plan_footprint
     from .plugin import RematChoice, checkpoint, provide, resolve_policy
     from .policies import PRESETS, RegexPolicy, preset, save_and_offload_only_these_names_regex
     from .stack import scan_layers
@@ -35,7 +38,7 @@ _EXPORTS = {
     "AuditReport": "_audit", "audit": "_audit",
     "DeviceSpec": "device", "detect": "device", "from_instance_type": "device",
     "parse_device": "device",
-    "fit": "_fit", "fit_per_layer": "_fit", "fit_table": "_fit",
+    "fit": "_fit", "fit_per_layer": "_mix", "fit_table": "_fit",
     "Budget": "memory_model", "Footprint": "memory_model", "TagCost": "memory_model",
     "budget": "memory_model", "layer_footprint": "memory_model",
     "model_state_bytes": "memory_model",
@@ -43,8 +46,8 @@ _EXPORTS = {
     "Parallelism": "models", "StepShape": "models", "TagNames": "models",
     "TransformerConfig": "models", "from_hf_config": "models", "get_model": "models",
     "PolicyMismatchError": "multihost",
-    "CompiledFit": "_fit", "Probe": "_fit",
-    "LayerMix": "planner", "NoFitError": "planner", "Plan": "planner",
+    "CompiledFit": "_fit", "Probe": "_compile",
+    "LayerMix": "_plan", "NoFitError": "_plan", "Plan": "_plan",
     "plan": "planner", "plan_footprint": "planner",
     "RematChoice": "plugin", "checkpoint": "plugin", "provide": "plugin",
     "resolve_policy": "plugin",

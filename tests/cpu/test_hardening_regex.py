@@ -9,7 +9,6 @@ These tests also pin the behaviour of CPython's private ``re._parser`` that `_re
 on; they were run on Python 3.11 and 3.12."""
 
 import re
-import sys
 
 import pytest
 from hypothesis import HealthCheck, assume, example, given, settings

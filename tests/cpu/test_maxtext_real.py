@@ -208,7 +208,6 @@ def test_fit_against_the_compiled_brute_force(step):
             table[subset] = (compiled_bytes(c), compiled_flops(c))
     c = make_step(jax.checkpoint_policies.everything_saveable).lower(*args).compile()
     table[None] = (compiled_bytes(c), compiled_flops(c))
-    base = table[None][1]
     per = graph.count  # XLA:CPU counts a scan body once: a difference is one layer's
     smallest = min(b for b, _ in table.values())
     sizes = [int(smallest + f * (1.05 * table[None][0] - smallest)) for f in SIZES]
