@@ -43,7 +43,8 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    (there the model cannot rank the sets: one tag's packing moves the figure by more than
    the room), every tag saved, then each tag alone, then any set, most likely to fit first,
    are compiled (one per tag more) before `NoFitError` or full remat, and the walk goes on
-   from the first that fits with what is left of that budget.
+   from the first that fits with what is left of that budget. A ``max_compiles`` the
+   caller gives is a hard cap: no compile beyond it, in this case or any other.
 
 A backend without ``memory_analysis()`` (it raises, returns None, or reports nothing; the
 Neuron PJRT plugin may not implement it) makes the compile the oracle: an error carrying
@@ -221,12 +222,12 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
             only the Neuron runtime's share on a full-size device: the compiled figure
             already holds the step's temporaries.
         **plan_options: ``candidates`` (tags to consider), ``max_compiles`` (at least 3;
+            a budget given is a hard cap: at most that many compiles, in every case. By
             default 6 up to 8 tags, and with the compile as the oracle 2 +
             ceil(log2(frontier - 1)); with memory figures one more per tag where full
             remat does not fit or fits within `TIGHT` (4) x the uncertainty of the
-            limit, a budget given too; with the compile as the oracle one more per tag
-            where its out-of-memory figures put full remat that close, unless a budget
-            was given),
+            limit; with the compile as the oracle one more per tag where its
+            out-of-memory figures put full remat that close),
             ``progress`` (called with one line per compile and the search's plan and
             end), ``band`` (the uncertainty of a prediction before any compile has
             missed, a share of full remat's bytes; 0.02), ``runner_ups`` (how many to
@@ -257,16 +258,18 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
         make_step, args, device, reserve, plan_options)
     cands = _candidates(graph, tags)
     budget = max_compiles or _max_compiles(len(tags))
-    stretch = _stretch(len(tags))
+    stretch = 0 if max_compiles else _stretch(len(tags))  # a budget given is a hard cap
     probes: list[Probe] = []
     results: dict[Any, _Compiled] = {}
     progress(f"fit: {len(tags)} candidate tags, {len(cands)} save sets (no remat "
-             f"included); at most {budget} compiles ({budget + stretch} if full remat does "
-             f"not fit, or fits with less than {TIGHT:g} x the uncertainty to spare; a "
-             f"backend without memory_analysis() bisects instead: at most "
-             + (f"{budget})" if max_compiles else
-                f"{_oracle_cap(len(_frontier(cands)))}, {stretch} more if its out-of-memory "
-                f"figures put full remat that close to the limit)"))
+             f"included); " + (
+                 f"at most {budget} compiles (max_compiles), whatever the backend reports"
+                 if max_compiles else
+                 f"at most {budget} compiles ({budget + stretch} if full remat does not "
+                 f"fit, or fits with less than {TIGHT:g} x the uncertainty to spare; a "
+                 f"backend without memory_analysis() bisects instead: at most "
+                 f"{_oracle_cap(len(_frontier(cands)))}, {stretch} more if its "
+                 f"out-of-memory figures put full remat that close to the limit)"))
 
     def measure(c: _Candidate, predicted: int | None) -> _Compiled:
         label = ("full remat" if c.saved == () else NO_REMAT if c.saved is None
@@ -431,7 +434,8 @@ class FitPreview:
     Pareto save sets by predicted bytes and recompute, least recompute first), each with
     its predicted bytes, and the compile budget: `max_compiles`, and `stretch` more where
     full remat does not fit, or fits (or, with the compile as the oracle, is predicted)
-    within `TIGHT` x the uncertainty of the limit."""
+    within `TIGHT` x the uncertainty of the limit (none when the caller gave
+    ``max_compiles``: a hard cap)."""
 
     limit_bytes: int
     full_remat: Probe
@@ -463,10 +467,10 @@ class FitPreview:
             "dry run: full remat compiled to "
             + (fmt_bytes(fr.bytes) if self.measured else "(no memory figures)")
             + f" of {fmt_bytes(self.limit_bytes)}; fit would make at most "
-            f"{self.max_compiles} compiles among these {len(self.candidates)} sets "
-            f"({self.max_compiles + self.stretch} where full remat does not fit or is "
-            f"within {TIGHT:g} x the uncertainty of the limit; predictions calibrated on "
-            "full remat alone)")
+            f"{self.max_compiles} compiles among these {len(self.candidates)} sets ("
+            + (f"{self.max_compiles + self.stretch} where full remat does not fit or is "
+               f"within {TIGHT:g} x the uncertainty of the limit; " if self.stretch else "")
+            + "predictions calibrated on full remat alone)")
         return "\n".join(lines)
 
 
@@ -492,7 +496,7 @@ def fit_preview(make_step: Callable[[Any], Any], *args: Any,
     return FitPreview(limit, probe, tuple(tags),
                       tuple((c.saved, model.predict(c.kept, c.read), float(c.recompute))
                             for c in front), budget, measured, float(graph.no_remat_flops),
-                      _stretch(len(tags)))
+                      0 if max_compiles else _stretch(len(tags)))
 
 
 def fit_table(plan: Plan) -> str:

@@ -593,9 +593,9 @@ def _parser() -> argparse.ArgumentParser:
                          "Neuron runtime's share only")
     ft.add_argument("--candidates", type=_candidates, help="comma-separated tags to consider")
     ft.add_argument("--max-compiles", type=_count(3, what="a compile budget"),
-                    help="compile budget (default 6 up to 8 tags, and with the compile as "
-                         "the oracle 2 + ceil(log2(frontier - 1)); one more per tag where "
-                         "full remat is close to the limit; at least 3)")
+                    help="compile budget, a hard cap (at least 3; by default 6 up to 8 "
+                         "tags, and with the compile as the oracle 2 + ceil(log2(frontier - "
+                         "1)), one more per tag where full remat is close to the limit)")
     ft.add_argument("--band", type=_band,
                     help="a prediction's uncertainty before any compile has missed, as a "
                          "share of full remat's bytes (default 0.02)")

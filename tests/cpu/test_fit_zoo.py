@@ -120,6 +120,22 @@ def test_oracle_keeps_to_max_compiles(small):
     assert _measure(make_step(plan.policy), args)[0] <= hbm
 
 
+def test_max_compiles_given_is_a_hard_cap(small):
+    """With memory figures where full remat fits tightly, `fit`'s own budget stretches by
+    one compile per tag (`_search._Search._rescue`); a ``max_compiles`` the caller gives
+    does not: at most that many compiles (said up front), and the plan still fits."""
+    make_step, args, (full_bytes, _) = small
+    hbm = int(full_bytes * (1 + 0.5 * S.DEFAULT_BAND))  # within TIGHT x the band
+    own = nr.fit(make_step, *args, device=_device(hbm), reserve=0, progress=lambda line: None)
+    assert own.compiled.compiles > 4  # the stretch: this size needs the cap to hold
+    lines = []
+    plan = nr.fit(make_step, *args, device=_device(hbm), reserve=0, max_compiles=4,
+                  progress=lines.append)
+    assert plan.compiled.compiles <= 4
+    assert any("at most 4 compiles (max_compiles)" in line for line in lines), lines
+    assert _measure(make_step(plan.policy), args)[0] <= hbm
+
+
 def test_a_step_whose_layers_gather_is_read_and_planned():
     """The backward of a gather (``jnp.take``; axlearn's rotary ``x[..., 1::2]`` on JAX
     0.8) is a scatter-add holding its update function as a jaxpr, in every layer's
