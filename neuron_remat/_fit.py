@@ -101,7 +101,7 @@ from ._search import (DEFAULT_BAND, NO_REMAT, TIGHT, _Candidate, _candidates, _f
 from ._step import LayerBackward, StepGraph, _pool, step_graph
 from .device import DeviceSpec
 from .memory_model import reserve_bytes as _reserve_bytes
-from .planner import Choice, NoFitError, Plan, TagDecision
+from ._plan import Choice, NoFitError, Plan, TagDecision
 
 __all__ = ["OOM_SIGNALS", "CompiledFit", "FitPreview", "LayerBackward", "PolicyIgnoredError",
            "Probe", "StepGraph", "fit", "fit_per_layer", "fit_preview", "fit_table",

@@ -20,7 +20,7 @@ from ._compile import Probe, _compile, _policy
 from ._format import fmt_bytes
 from ._search import NO_REMAT, _Model
 from ._step import StepGraph, _pool, step_graph
-from .planner import Plan
+from ._plan import LayerMix, Plan
 
 logger = logging.getLogger("neuron_remat.fit")  # the public name, not the private module's
 
@@ -127,8 +127,6 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
     again, up to `MIX_ATTEMPTS` compiles. When none fits (or the step has layers of
     several kinds, or no memory analysis), the uniform plan is returned with a note.
     """
-    from .planner import LayerMix  # noqa: PLC0415
-
     say = progress or (lambda line: logger.info("%s", line))
     rec = uniform.compiled
     graph = step_graph(make_step, *args)
