@@ -258,7 +258,7 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
         make_step, args, device, reserve, plan_options)
     cands = _candidates(graph, tags)
     budget = max_compiles or _max_compiles(len(tags))
-    stretch = 0 if max_compiles else _stretch(len(tags))  # a budget given is a hard cap
+    stretch = _stretch(len(tags), budget_given=max_compiles is not None)
     probes: list[Probe] = []
     results: dict[Any, _Compiled] = {}
     progress(f"fit: {len(tags)} candidate tags, {len(cands)} save sets (no remat "
@@ -496,7 +496,7 @@ def fit_preview(make_step: Callable[[Any], Any], *args: Any,
     return FitPreview(limit, probe, tuple(tags),
                       tuple((c.saved, model.predict(c.kept, c.read), float(c.recompute))
                             for c in front), budget, measured, float(graph.no_remat_flops),
-                      0 if max_compiles else _stretch(len(tags)))
+                      _stretch(len(tags), budget_given=max_compiles is not None))
 
 
 def fit_table(plan: Plan) -> str:

@@ -148,10 +148,11 @@ def _max_compiles(n_tags: int) -> int:
     return 6 if n_tags <= 8 else 6 + (n_tags - 8) // 2
 
 
-def _stretch(n_tags: int) -> int:
+def _stretch(n_tags: int, budget_given: bool = False) -> int:
     """The compiles beyond the budget where full remat does not fit or is close to the
-    limit (`TIGHT`): one per tag, for each tag alone (`_Search._rescue`)."""
-    return n_tags
+    limit (`TIGHT`): one per tag, for each tag alone (`_Search._rescue`); none beyond a
+    budget the caller gave (``max_compiles``: a hard cap)."""
+    return 0 if budget_given else n_tags
 
 
 @dataclass(frozen=True)
