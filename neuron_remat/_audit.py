@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from . import _trace
+from . import _jaxpr, _trace
 from ._format import fmt_bytes, grid
 from .policies import RegexPolicy
 
@@ -117,7 +117,7 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
     if not isinstance(policy, RegexPolicy):
         raise TypeError(f"audit needs a RegexPolicy, got {policy!r}; wrap names with "
                         "RegexPolicy([re.escape(name), ...])")
-    call = _trace.bind_call(fn, args, kwargs)
+    call = _jaxpr.bind_call(fn, args, kwargs)
     try:
         jax.eval_shape(call.fn, *call.args)
     except Exception as err:  # noqa: BLE001  the user's function, failing as it will
@@ -127,7 +127,7 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
                          ) from err
     fn, args, kwargs = call.fn, call.args, {}
     try:
-        acts = _trace.resolve_activation_argnums(fn, args, kwargs, activation_argnums)
+        acts = _jaxpr.resolve_activation_argnums(fn, args, kwargs, activation_argnums)
     except ValueError:
         if activation_argnums is not None:
             raise
@@ -140,8 +140,8 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
     if dead and strict:
         raise DeadPatternError(
             f"patterns {list(dead)} match none of the tags the function emits: {names}")
-    wrapped = _trace.checkpointed(fn, policy, prevent_cse)
-    res = _trace.residuals(wrapped, args, kwargs)
+    wrapped = _jaxpr.checkpointed(fn, policy, prevent_cse)
+    res = _jaxpr.residuals(wrapped, args, kwargs)
     kept_by_tag: dict[str, int] = {}
     for r in res:
         if r.kind == "tag":
@@ -157,9 +157,9 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
         tags.append(TagAudit(info.name, info.shape, info.dtype, info.bytes, info.count, action,
                              decider, tuple(p for _, p in matched if p != decider),
                              kept_by_tag.get(info.name, 0)))
-    cost = _trace.linearized_cost(wrapped, args, kwargs)
-    base = _trace.linearized_cost(fn, args, kwargs)
-    full = _trace.linearized_cost(_trace.checkpointed(fn, None, prevent_cse), args, kwargs)
+    cost = _jaxpr.linearized_cost(wrapped, args, kwargs)
+    base = _jaxpr.linearized_cost(fn, args, kwargs)
+    full = _jaxpr.linearized_cost(_jaxpr.checkpointed(fn, None, prevent_cse), args, kwargs)
     return AuditReport(
         policy=policy, tags=tuple(tags), dead_patterns=dead, overlaps=tuple(overlaps),
         saved_tag_bytes=sum(r.bytes for r in res if r.kind == "tag"),

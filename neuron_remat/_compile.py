@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 
-from ._trace import _aval_bytes
+from ._jaxpr import _aval_bytes
 from .policies import RegexPolicy
 
 

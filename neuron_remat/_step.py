@@ -21,7 +21,7 @@ from typing import Any
 import jax
 from jax.extend import core as jcore
 
-from . import _trace
+from . import _jaxpr, _trace
 from ._compile import _jitted
 from ._jax_compat import is_name_primitive, remat3_off, save_only_these_names
 from .graph import LayerGraph
@@ -108,7 +108,7 @@ def _remat_bodies(jaxpr: Any, mult: int = 1) -> Iterable[tuple[Any, int]]:
         if str(eqn.primitive) == "remat2" and eqn.params.get("differentiated"):
             yield eqn.params["jaxpr"], mult
             continue
-        for sub, m in _trace._sub_jaxprs(eqn):
+        for sub, m in _jaxpr._sub_jaxprs(eqn):
             yield from _remat_bodies(sub, mult * m)
 
 
@@ -165,11 +165,11 @@ def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
         tags.update((t, None) for t in layer.tags)
     # Tags no backward reads are DCE'd from the remat bodies; list them too (saving one
     # keeps nothing and saves nothing, and the plan says so).
-    tags.update((e.params["name"], None) for e, _ in _trace._walk(closed.jaxpr)
-                if _trace.is_name_primitive(e.primitive))
+    tags.update((e.params["name"], None) for e, _ in _jaxpr._walk(closed.jaxpr)
+                if _jaxpr.is_name_primitive(e.primitive))
     no_remat = jax.make_jaxpr(_jitted(make_step(
         jax.checkpoint_policies.everything_saveable)))(*args)
-    return StepGraph(tuple(layers), tuple(tags), _trace.jaxpr_cost(no_remat.jaxpr).flops)
+    return StepGraph(tuple(layers), tuple(tags), _jaxpr.jaxpr_cost(no_remat.jaxpr).flops)
 
 
 def _pool(graph: StepGraph, candidates: Iterable[str] | None) -> tuple[str, ...]:

@@ -606,9 +606,9 @@ def op_seconds(op: Op, graph: LayerGraph, rates: object) -> float:
     bandwidth)``, the engine by `op_kind` and the rates an `EngineRates` (`neuron_remat.device`).
 
     Work is `Op.flops`, except that a transcendental op counts at least one operation per
-    output element (XLA's FLOP count, which `_trace` follows, gives them none). ``layout``
-    ops cost nothing. This is a bound per op: it ignores fusion (a fused chain of
-    elementwise ops moves its tensors once) and overlap between engines."""
+    output element (XLA's FLOP count, which `_jaxpr.eqn_flops` follows, gives them none).
+    ``layout`` ops cost nothing. This is a bound per op: it ignores fusion (a fused chain
+    of elementwise ops moves its tensors once) and overlap between engines."""
     kind = op_kind(op, graph)
     if kind == "layout":
         return 0.0

@@ -7,7 +7,7 @@ import sys
 
 import neuron_remat
 
-ORDER = ["device", "models", "graph", "_jax_compat", "_analytic", "moe", "memory_model", "_trace",
+ORDER = ["device", "models", "graph", "_jax_compat", "_analytic", "moe", "memory_model", "_jaxpr", "_trace",
          "_regex",
          "policies", "stack", "_audit", "_plan", "planner", "_compile", "_step", "_search", "_mix", "_fit",
          "multihost", "plugin", "cli"]

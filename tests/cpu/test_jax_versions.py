@@ -21,7 +21,7 @@ from jax._src import ad_checkpoint as jax_remat
 from jax._src.ad_checkpoint import saved_residuals
 
 import neuron_remat
-from neuron_remat import _trace, models, planner, plugin
+from neuron_remat import _jaxpr, _trace, models, planner, plugin
 from neuron_remat import policies as pol
 import reference as ref
 from neuron_remat._audit import audit
@@ -64,7 +64,7 @@ def layer_args():
 
 
 def _tags_kept(fn, args):
-    return {r.name: r.bytes for r in _trace.residuals(fn, args) if r.kind == "tag"}
+    return {r.name: r.bytes for r in _jaxpr.residuals(fn, args) if r.kind == "tag"}
 
 
 # --- the same figures everywhere -----------------------------------------------------
@@ -164,7 +164,7 @@ def test_offload_under_each_implementation(layer_args, impl, caplog):
     policy = pol.RegexPolicy([".*q_proj"], [".*k_proj"], offload_src="device",
                              offload_dst="pinned_host")
     with remat(impl), caplog.at_level(logging.WARNING, "neuron_remat.policies"):
-        res = [r for r in _trace.residuals(jax.checkpoint(layer, policy=policy), layer_args)
+        res = [r for r in _jaxpr.residuals(jax.checkpoint(layer, policy=policy), layer_args)
                if r.kind != "argument"]
         first = pol.warn_if_ignored(policy)
         pol.warn_if_ignored(policy)

@@ -14,7 +14,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_policies
 
 import neuron_remat as nr
-from neuron_remat import _trace
+from neuron_remat import _jaxpr
 from neuron_remat import memory_model as mm
 from neuron_remat import models, planner
 from neuron_remat import policies as pol
@@ -59,7 +59,7 @@ def names_policy(roles):
 def activation_residual_bytes(fn, x, p):
     """What JAX keeps, minus the parameters (model state, not activations)."""
     args = (x, p)
-    res = _trace.residuals(fn, args)
+    res = _jaxpr.residuals(fn, args)
     return sum(r.bytes for r in res if r.kind != "argument" or r.argnum == 0)
 
 

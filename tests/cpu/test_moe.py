@@ -12,7 +12,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_policies
 
 import neuron_remat as nr
-from neuron_remat import _trace, models, moe
+from neuron_remat import _jaxpr, models, moe
 from neuron_remat import memory_model as mm
 import reference_moe as rm
 from neuron_remat.cli import main
@@ -57,7 +57,7 @@ def inputs(cfg, kind, layers=None):
 
 
 def kept_bytes(fn, x, p):
-    res = _trace.residuals(fn, (x, p))
+    res = _jaxpr.residuals(fn, (x, p))
     return sum(r.bytes for r in res if r.kind != "argument" or r.argnum == 0)
 
 
@@ -217,7 +217,7 @@ def test_mixed_footprint_per_layer_bytes_equal_jax_over_both_layers(saved):
     policy = checkpoint_policies.save_only_these_names(*_mixed_names(fp, saved))
     first = jax.checkpoint(lambda x, p: rm.layer(x, p, MIXED, "dense"), policy=policy)
     second = jax.checkpoint(lambda x, p: rm.layer(x, p, MIXED, "moe"), policy=policy)
-    res = _trace.residuals(lambda x, a, b: second(first(x, a), b), (x, dense, moe_params))
+    res = _jaxpr.residuals(lambda x, a, b: second(first(x, a), b), (x, dense, moe_params))
     measured = sum(r.bytes for r in res if r.kind != "argument" or r.argnum == 0)
     assert 2 * fp.evaluate(saved)[0] == measured
 

@@ -22,7 +22,7 @@ from jax.ad_checkpoint import checkpoint_name, checkpoint_policies
 from neuron_remat._jax_compat import saved_residuals
 
 import neuron_remat as nr
-from neuron_remat import _trace, graph as gr, memory_model as mm, models, planner
+from neuron_remat import _jaxpr, _trace, graph as gr, memory_model as mm, models, planner
 from neuron_remat import policies as pol
 import reference as ref
 
@@ -80,7 +80,7 @@ def _call(variant, order):
 
 def _activation_bytes(fn, args, act):
     """What JAX keeps for the backward, parameters excluded."""
-    res = _trace.residuals(fn, args)
+    res = _jaxpr.residuals(fn, args)
     return sum(r.bytes for r in res if r.kind != "argument" or r.argnum == act)
 
 

@@ -43,7 +43,7 @@ from jax.extend import core as jcore
 import flash_reference as fr
 from jaxpr_names import names_in
 import neuron_remat as nr
-from neuron_remat import _jax_compat, _trace, planner, policies
+from neuron_remat import _jax_compat, _jaxpr, planner, policies
 
 HERE = pathlib.Path(__file__).parent
 
@@ -514,7 +514,7 @@ def test_a_pallas_kernel_is_one_op_of_its_cost_estimate():
         assert fp.evaluate(subset)[0] == want, subset
     kernels = [e for e in jax.make_jaxpr(tanh2)(x).jaxpr.eqns
                if str(e.primitive) == "pallas_call"]
-    assert [_trace.eqn_flops(e) for e in kernels] == [3 * 4 * 8]
+    assert [_jaxpr.eqn_flops(e) for e in kernels] == [3 * 4 * 8]
 
 
 def test_an_unknown_primitive_holding_a_jaxpr_is_named():
