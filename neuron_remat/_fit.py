@@ -16,9 +16,9 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    reads ``memory_analysis()`` (argument + output + temp - alias) and ``cost_analysis()``,
    and calibrates ``bytes(S) = fixed + scale x kept(S) + slope x read(S)``: kept(S) the
    residuals of every layer (exact, from the graphs), read(S) the bytes one layer's
-   backward reads that S recomputes, `scale` what the backend stores per kept byte (1, or
-   2 where XLA:CPU keeps bfloat16 as float32), `fixed` the state and the
-   policy-independent temporaries. The model's misses are read as one unknown effect per
+   backward reads that S recomputes, both as the backend stores them (XLA:CPU keeps
+   bfloat16 as float32: `_step.STORED_ITEMSIZE`), `scale` what is left per kept byte
+   (near 1), `fixed` the state and the policy-independent temporaries. The model's misses are read as one unknown effect per
    saved tag (a Gaussian process over which tags a set saves, `TAG_SD`, `SET_SD`, with
    correlated effects for tags the trace cannot tell apart, `ALIKE`): XLA's buffer
    packing moves with particular tags, and saving one may compile smaller than saving
@@ -121,7 +121,7 @@ class CompiledFit:
 
     The model: ``bytes(S) = fixed_bytes + kept(S) + workspace_slope x read(S)``, kept(S)
     the residuals of every layer, read(S) the bytes one layer's backward reads that S
-    recomputes (`workspace_bytes` for the choice); `fixed_bytes` is the fitted intercept:
+    recomputes (`workspace_bytes` for the choice), both as the backend stores them; `fixed_bytes` is the fitted intercept:
     the state and the step's policy-independent temporaries, less what the slope's line
     over-counts at read(S) = 0 (it can be negative). `workspace_error_bytes` is the model's largest
     miss on the compiles made (before the per-tag corrections). `measured` is False when
@@ -319,7 +319,7 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
                      "+ kept residuals + one layer's recomputed reads); the compiler "
                      "checks the device's whole HBM, not the reserve")
         logger.warning("neuron_remat.fit: %s", notes[-1])
-        r = dataclasses.replace(r, bytes=model.predict(best.kept, best.read))
+        r = dataclasses.replace(r, bytes=model.predict(best.stored, best.read))
     else:
         model = search.model or _Model(0.0, 1.0, 1.0)
     return _make_plan(graph, best, cands, device, hbm, held, limit, probes, model, tags, r,
@@ -399,10 +399,10 @@ def _make_plan(graph: StepGraph, best: _Candidate, cands: Sequence[_Candidate],
     runner = [Choice(c.saved, c.kept // layers, c.recompute / layers) for c in cands
               if c.saved is not None and c is not best and c.recompute >= best.recompute
               and c.saved not in over
-              and (c.saved in fits or model.predict(c.kept, c.read) <= limit)]
+              and (c.saved in fits or model.predict(c.stored, c.read) <= limit)]
     runner = runner[:int(options.get("runner_ups", 3))]
     by = {c.saved: c for c in cands}
-    error = max((abs(p.bytes - model.predict(by[p.saved].kept, by[p.saved].read))
+    error = max((abs(p.bytes - model.predict(by[p.saved].stored, by[p.saved].read))
                  for p in probes if p.saved in by and p.bytes >= 0), default=0) \
         if measured else 0
     record = CompiledFit(
@@ -485,16 +485,16 @@ def fit_preview(make_step: Callable[[Any], Any], *args: Any,
     full = next(c for c in cands if c.saved == ())
     r = _compile(make_step(_policy(())), args)
     measured = r.bytes is not None
-    base = r.bytes if measured else (r.fixed or 0) + full.kept + full.read
-    model = _Model(float(base - full.kept - full.read), 1.0, 1.0)
-    front = _frontier(cands, lambda c: model.predict(c.kept, c.read))
+    base = r.bytes if measured else (r.fixed or 0) + full.stored + full.read
+    model = _Model(float(base - full.stored - full.read), 1.0, 1.0)
+    front = _frontier(cands, lambda c: model.predict(c.stored, c.read))
     probe = Probe("full remat", (), r.bytes if measured else -1, r.argument, r.output,
                   r.temp, r.alias, r.flops, r.seconds, None, out_of_memory=r.oom,
                   reported_bytes=r.reported)
     budget = max_compiles or (_max_compiles(len(tags)) if measured else
                               _oracle_cap(len(front)))
     return FitPreview(limit, probe, tuple(tags),
-                      tuple((c.saved, model.predict(c.kept, c.read), float(c.recompute))
+                      tuple((c.saved, model.predict(c.stored, c.read), float(c.recompute))
                             for c in front), budget, measured, float(graph.no_remat_flops),
                       _stretch(len(tags), budget_given=max_compiles is not None))
 

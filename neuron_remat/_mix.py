@@ -48,8 +48,8 @@ def _mix_sets(graph: StepGraph, tags: Sequence[str], probes: Sequence[Probe]
     figure, otherwise the model fitted on the compiles (as `fit`'s search does)."""
     def shape(saved: tuple[str, ...] | None) -> tuple[int, int]:
         if saved is None:
-            return graph.no_remat_kept_bytes(), 0
-        return graph.kept_bytes(saved), graph.read_bytes(saved)
+            return graph.no_remat_kept_bytes(stored=True), 0
+        return graph.stored_bytes(saved), graph.read_bytes(saved)
 
     own = [p for p in probes
            if p.bytes >= 0 and not p.out_of_memory and p.label != "per-layer mix"

@@ -32,8 +32,9 @@ NO_REMAT = "no remat"
 class _Model:
     """``bytes(S) = intercept + scale x kept(S) + slope x read(S)``: least squares over the
     compiled sets, `scale` and `slope` pulled towards 1 (`PRIOR_WEIGHT`) so that two or
-    three compiles make a model. `scale` learns what the backend stores per kept byte
-    (XLA:CPU keeps bfloat16 as float32); `error` is the largest miss on the compiles."""
+    three compiles make a model. kept(S) and read(S) are bytes as the backend stores them
+    (`_Candidate.stored`: XLA:CPU keeps bfloat16 as float32), so 1 is the right prior for
+    `scale`, which learns what is left; `error` is the largest miss on the compiles."""
 
     intercept: float
     scale: float
@@ -157,10 +158,20 @@ def _stretch(n_tags: int, budget_given: bool = False) -> int:
 
 @dataclass(frozen=True)
 class _Candidate:
+    """One save set: the bytes JAX keeps (`kept`: the plan states them), the bytes the
+    backend stores for them (`stored`, `_step.STORED_ITEMSIZE`; what the model of the
+    compiled bytes reads, `kept` when not given), the bytes one layer's backward reads
+    that the set recomputes (as stored), and its recompute FLOPs."""
+
     saved: tuple[str, ...] | None  # None: no remat
     kept: int
     read: int
     recompute: int
+    stored: int = -1
+
+    def __post_init__(self) -> None:
+        if self.stored < 0:
+            object.__setattr__(self, "stored", self.kept)
 
 
 def _candidates(graph: StepGraph, tags: Sequence[str], no_remat: bool = True
@@ -171,9 +182,10 @@ def _candidates(graph: StepGraph, tags: Sequence[str], no_remat: bool = True
     for r in range(len(tags) + 1):
         for subset in itertools.combinations(tags, r):
             found.append(_Candidate(subset, graph.kept_bytes(subset), graph.read_bytes(subset),
-                                    graph.recompute_flops(subset)))
+                                    graph.recompute_flops(subset), graph.stored_bytes(subset)))
     if no_remat:
-        found.append(_Candidate(None, graph.no_remat_kept_bytes(), 0, 0))
+        found.append(_Candidate(None, graph.no_remat_kept_bytes(), 0, 0,
+                                graph.no_remat_kept_bytes(stored=True)))
     return sorted(found, key=lambda c: (c.recompute, c.kept, len(c.saved or ()) - (
         c.saved is None) * 1000, c.saved or ()))
 
@@ -183,7 +195,7 @@ def _frontier(cands: Sequence[_Candidate], predict: Callable[[_Candidate], float
     """The Pareto sets by predicted bytes and recompute (none predicted smaller with no
     more recompute), least recompute first, so most bytes first; full remat always last
     (the set known to fit when a search starts)."""
-    pred = predict or (lambda c: c.kept + c.read)
+    pred = predict or (lambda c: c.stored + c.read)
     out: list[_Candidate] = []
     least = math.inf
     for c in sorted(cands, key=lambda c: (c.recompute, pred(c))):
@@ -267,7 +279,7 @@ class _Search:
         return None
 
     def points(self) -> list[tuple[int, int, int]]:
-        return [(b, self._by[s].kept, self._by[s].read) for s, r in self.compiled.items()
+        return [(b, self._by[s].stored, self._by[s].read) for s, r in self.compiled.items()
                 if s is not None and (b := self._figure(r)) is not None]
 
     def fits(self, saved: Any) -> bool:
@@ -281,7 +293,7 @@ class _Search:
         """The model's figure plus the saved tags' share of the misses seen (`_tag_effect`).
         No remat is corrected by its own compile only."""
         assert self.model is not None
-        base = self.model.predict(c.kept, c.read)
+        base = self.model.predict(c.stored, c.read)
         if c.saved is None:
             got = self.compiled.get(None)
             if got is not None and got.bytes is not None:
@@ -305,14 +317,14 @@ class _Search:
         assert self.model is not None
         key = (len(self.compiled), id(self.model))
         if getattr(self, "_gp_key", None) != key:
-            rows = [(s, b - self.model.predict(self._by[s].kept, self._by[s].read))
+            rows = [(s, b - self.model.predict(self._by[s].stored, self._by[s].read))
                     for s, got in self.compiled.items()
                     if s is not None and (b := self._figure(got)) is not None]
             self._gp = self._effects(rows)
             bounds = [(s, room) for s, got in self.compiled.items()
                       if s and self._figure(got) is None and not got.over(self.limit)
                       and self._effect(s)[0] > (room := self.limit - self.model.predict(
-                          self._by[s].kept, self._by[s].read))]
+                          self._by[s].stored, self._by[s].read))]
             if bounds:
                 self._gp = self._effects(rows + bounds)
             self._gp_key = key
@@ -375,8 +387,8 @@ class _Search:
             # compiler often fuses away: uncertain in proportion
             assert self.model is not None
             spread = NO_REMAT_SPREAD * self.sigma + UNTAGGED * self.model.scale * max(
-                c.kept - self.candidates[0 if self.candidates[0].saved is not None
-                                        else 1].kept, 0)
+                c.stored - self.candidates[0 if self.candidates[0].saved is not None
+                                          else 1].stored, 0)
         elif c.saved is not None:
             spread = math.sqrt(spread ** 2 + self._tag_effect(c.saved)[1])
         return _phi((self.limit - self.predict(c)) / max(spread, 1.0))
@@ -427,7 +439,7 @@ class _Search:
     def _follows(self, full: _Candidate, every: _Candidate) -> bool:
         """Whether the compiled bytes follow the kept bytes (`noticed` says why not)."""
         grew = self.compiled[every.saved].bytes - self.compiled[()].bytes  # type: ignore[operator]
-        if grew >= 0.5 * (every.kept - full.kept):
+        if grew >= 0.5 * (every.stored - full.stored):
             return True
         nr = self._by.get(None)
         if nr is None or self.used >= self.max_compiles:
@@ -435,7 +447,7 @@ class _Search:
         got = self._measure(nr)
         if got.bytes is None:
             return True
-        extra = nr.kept - full.kept
+        extra = nr.stored - full.stored
         if extra > 0 and got.bytes - self.compiled[()].bytes < FOLLOW * extra:
             self._not_following(
                 f"no remat keeps {fmt_bytes(extra)} more than full remat but compiles "
@@ -640,8 +652,9 @@ class _Search:
         less than `FOLLOW` of that."""
         if len(overs) < 2:
             return False
-        (a, ra), (b, rb) = max(overs, key=lambda o: o[0].kept), min(overs, key=lambda o: o[0].kept)
-        span = a.kept - b.kept
+        (a, ra), (b, rb) = (max(overs, key=lambda o: o[0].stored),
+                            min(overs, key=lambda o: o[0].stored))
+        span = a.stored - b.stored
         if span < FLAT_SPAN * self.limit or ra - rb >= FOLLOW * span:
             return False
         self._not_following(f"{_what(a.saved)} keeps {fmt_bytes(span)} more than "
@@ -690,7 +703,7 @@ class _Search:
                 self.max_compiles = total
                 return self._walk()
             figure, first = self._figure(got), self._figure(self.compiled[()])
-            extra = every.kept - full.kept
+            extra = every.stored - full.stored
             if figure is not None and first is not None and extra > 0 \
                     and figure - first < FOLLOW * extra:
                 self._not_following(f"saving every tag keeps {fmt_bytes(extra)} more than "

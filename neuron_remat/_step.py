@@ -8,14 +8,16 @@ the layer's inputs), then the output cotangents. The equations that do not depen
 cotangents are the recomputation, the others the backward proper, and the recomputed
 values the backward reads are what any policy must either keep or recompute. That makes
 one exact `graph.LayerGraph` per layer (`LayerBackward`): for every save set, the bytes
-kept and the FLOPs recomputed, jointly; `StepGraph` sums them over the step's layers.
-`_pool` picks the tags worth deciding.
+kept and the FLOPs recomputed, jointly; `StepGraph` sums them over the step's layers, in
+JAX's bytes and as the backend stores them (`STORED_ITEMSIZE`). `_pool` picks the tags
+worth deciding.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -24,7 +26,20 @@ from jax.extend import core as jcore
 from . import _jaxpr, _trace
 from ._compile import _jitted
 from ._jax_compat import is_name_primitive, remat3_off, save_only_these_names
-from .graph import LayerGraph
+from .graph import LayerGraph, Value
+
+STORED_ITEMSIZE: dict[str, dict[str, int]] = {"cpu": {"bfloat16": 4}}
+"""Bytes per element a backend stores where they differ from the dtype's, by
+``jax.default_backend()``. XLA:CPU computes and keeps bfloat16 as float32 (a scanned step
+of bfloat16 layers saving one 4 MiB bfloat16 residual compiles to 20.25 MiB of
+temporaries, as float32 does, against 12.25 MiB in float16; and on the zoo's bfloat16
+steps the compiled bytes grow by 2 x the bfloat16 bytes kept). Neuron, GPU and TPU keep
+bfloat16 at 2 bytes."""
+
+
+def _stored_bytes(value: Value, itemsizes: Mapping[str, int]) -> int:
+    size = itemsizes.get(value.dtype)
+    return value.bytes if size is None else math.prod(value.shape) * size + value.extra_bytes
 
 
 def _depends(jaxpr: Any, seeds: set[Any]) -> tuple[set[Any], list[bool]]:
@@ -80,12 +95,22 @@ class LayerBackward:
     tags: tuple[str, ...]
     needed: tuple[str, ...]
 
-    def recomputed_read_bytes(self, saved: Iterable[str]) -> int:
+    def recomputed_read_bytes(self, saved: Iterable[str],
+                              itemsizes: Mapping[str, int] | None = None) -> int:
         """Bytes of the values this layer's backward reads that a save set recomputes:
-        what its working set holds beyond the kept residuals."""
+        what its working set holds beyond the kept residuals (at `itemsizes` per element
+        where given, by dtype: `STORED_ITEMSIZE`)."""
         ev = self.graph.evaluate_roles(saved)
         skip = set(ev.kept) | set(self.graph.inputs) | set(self.graph.params)
-        return sum(self.graph.values[v].bytes for v in self.needed if v not in skip)
+        return sum(_stored_bytes(self.graph.values[v], itemsizes or {})
+                   for v in self.needed if v not in skip)
+
+    def stored_kept_bytes(self, kept: Iterable[str], itemsizes: Mapping[str, int]) -> int:
+        """What an evaluation's `kept` values take (parameters count nothing, as in
+        `LayerGraph.evaluate`), at `itemsizes` per element where given."""
+        params = set(self.graph.params)
+        return sum(_stored_bytes(self.graph.values[v], itemsizes) for v in kept
+                   if v not in params)
 
 
 def _layer_backward(body: Any, count: int) -> LayerBackward:
@@ -119,29 +144,48 @@ class StepGraph:
     layers: tuple[LayerBackward, ...]
     tags: tuple[str, ...]
     no_remat_flops: int  # the step's FLOPs without remat (jaxpr count, scans multiplied)
+    # bytes per element the compiling backend stores, where not the dtype's (STORED_ITEMSIZE)
+    itemsizes: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def count(self) -> int:
         return sum(layer.count for layer in self.layers)
 
     def kept_bytes(self, saved: Iterable[str]) -> int:
-        """Bytes every layer's residuals take, all layers together."""
+        """Bytes every layer's residuals take, all layers together (JAX's count)."""
         s = tuple(saved)
         return sum(layer.count * layer.graph.evaluate_roles(s).kept_bytes for layer in self.layers)
+
+    def stored_bytes(self, saved: Iterable[str]) -> int:
+        """`kept_bytes` as the backend stores them (`itemsizes`): what the compiled step
+        holds for them."""
+        if not self.itemsizes:
+            return self.kept_bytes(saved)
+        s = tuple(saved)
+        return sum(layer.count * layer.stored_kept_bytes(layer.graph.evaluate_roles(s).kept,
+                                                         self.itemsizes)
+                   for layer in self.layers)
 
     def recompute_flops(self, saved: Iterable[str]) -> int:
         s = tuple(saved)
         return sum(layer.count * layer.graph.evaluate_roles(s).recompute_flops
                    for layer in self.layers)
 
-    def no_remat_kept_bytes(self) -> int:
-        """What every layer keeps without remat: every value its backward reads."""
-        return sum(layer.count * layer.graph.evaluate(lambda v: True).kept_bytes
-                   for layer in self.layers)
+    def no_remat_kept_bytes(self, stored: bool = False) -> int:
+        """What every layer keeps without remat: every value its backward reads (with
+        `stored`, as the backend stores them)."""
+        total = 0
+        for layer in self.layers:
+            ev = layer.graph.evaluate(lambda v: True)
+            total += layer.count * (layer.stored_kept_bytes(ev.kept, self.itemsizes)
+                                    if stored else ev.kept_bytes)
+        return total
 
     def read_bytes(self, saved: Iterable[str]) -> int:
+        """The most one layer's backward reads of what `saved` recomputes, as the backend
+        stores it (`LayerBackward.recomputed_read_bytes`)."""
         s = tuple(saved)
-        return max(layer.recomputed_read_bytes(s) for layer in self.layers)
+        return max(layer.recomputed_read_bytes(s, self.itemsizes) for layer in self.layers)
 
 
 def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
@@ -169,7 +213,8 @@ def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
                 if _jaxpr.is_name_primitive(e.primitive))
     no_remat = jax.make_jaxpr(_jitted(make_step(
         jax.checkpoint_policies.everything_saveable)))(*args)
-    return StepGraph(tuple(layers), tuple(tags), _jaxpr.jaxpr_cost(no_remat.jaxpr).flops)
+    return StepGraph(tuple(layers), tuple(tags), _jaxpr.jaxpr_cost(no_remat.jaxpr).flops,
+                     STORED_ITEMSIZE.get(jax.default_backend(), {}))
 
 
 def _pool(graph: StepGraph, candidates: Iterable[str] | None) -> tuple[str, ...]:
