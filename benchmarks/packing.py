@@ -3,8 +3,9 @@
 Reads the brute force `fit_sweep.py` cached (``OUT/fit_brute/<step>.json``, every subset of
 a step's tags compiled; nothing is compiled here) and, per step:
 
-1. fits ``bytes(S) = c + a x kept(S) + b x read(S) + one effect per saved tag`` by least
-   squares over every compiled save set, and prints the spread (standard deviation) and
+1. fits ``bytes(S) = c + a x kept(S) + b x read(S) + one effect per saved tag`` (bytes as the
+   backend stores them, as `fit` counts them) by least squares over every compiled save
+   set, and prints the spread (standard deviation) and
    the largest of what is left, as a share of full remat's bytes: XLA's packing of that
    particular set, which no model of tags alone can learn. Beside it, what two richer
    shapes leave, fitted to every set (so with more freedom than `fit` ever has): one
@@ -151,7 +152,7 @@ def learning_curve(designs: dict[str, Any], y: Any, always: Sequence[int], full:
 def _design(cands: Sequence[Any], tags: Sequence[str]) -> Any:
     import numpy as np  # noqa: PLC0415
 
-    return np.column_stack([np.ones(len(cands)), [c.kept for c in cands],
+    return np.column_stack([np.ones(len(cands)), [c.stored for c in cands],
                             [c.read for c in cands],
                             np.array([[t in c.saved for t in tags] for c in cands], float)])
 

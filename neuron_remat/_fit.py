@@ -18,13 +18,13 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    residuals of every layer (exact, from the graphs), read(S) the bytes one layer's
    backward reads that S recomputes, both as the backend stores them (XLA:CPU keeps
    bfloat16 as float32: `_step.STORED_ITEMSIZE`), `scale` what is left per kept byte
-   (near 1), `fixed` the state and the policy-independent temporaries. The model's misses are read as one unknown effect per
-   saved tag (a Gaussian process over which tags a set saves, `TAG_SD`, `SET_SD`, with
-   correlated effects for tags the trace cannot tell apart, `ALIKE`): XLA's buffer
-   packing moves with particular tags, and saving one may compile smaller than saving
-   none. A set sharing most tags with compiled ones is predicted from them, with little
-   uncertainty; one made of tags never compiled, nor alike to one compiled, keeps their
-   whole uncertainty;
+   (near 1), `fixed` the state and the policy-independent temporaries. The model's misses
+   are read as one unknown effect per saved tag (a Gaussian process over which tags a
+   set saves, `TAG_SD`, `SET_SD`, with correlated effects for tags the trace cannot tell
+   apart, `ALIKE`): XLA's buffer packing moves with particular tags, and saving one may
+   compile smaller than saving none. A set sharing most tags with compiled ones is
+   predicted from them, with little uncertainty; one made of tags never compiled, nor
+   alike to one compiled, keeps their whole uncertainty;
 3. searches by expected gain: each set that recomputes less than the best compiled fit gets
    a chance to fit (normal errors: the search's uncertainty and the set's own), and the next
    compile goes to the largest chance x recompute saved, among sets whose chance is at least
@@ -121,9 +121,10 @@ class CompiledFit:
 
     The model: ``bytes(S) = fixed_bytes + kept(S) + workspace_slope x read(S)``, kept(S)
     the residuals of every layer, read(S) the bytes one layer's backward reads that S
-    recomputes (`workspace_bytes` for the choice), both as the backend stores them; `fixed_bytes` is the fitted intercept:
-    the state and the step's policy-independent temporaries, less what the slope's line
-    over-counts at read(S) = 0 (it can be negative). `workspace_error_bytes` is the model's largest
+    recomputes (`workspace_bytes` for the choice), both as the backend stores them;
+    `fixed_bytes` is the fitted intercept: the state and the step's policy-independent
+    temporaries, less what the slope's line over-counts at read(S) = 0 (it can be
+    negative). `workspace_error_bytes` is the model's largest
     miss on the compiles made (before the per-tag corrections). `measured` is False when
     the backend had no ``memory_analysis()`` and `bytes` is the uncalibrated model's.
     `stop` says why the search ended: the budget was spent, no set that recomputes less

@@ -30,11 +30,11 @@ from .graph import LayerGraph, Value
 
 STORED_ITEMSIZE: dict[str, dict[str, int]] = {"cpu": {"bfloat16": 4}}
 """Bytes per element a backend stores where they differ from the dtype's, by
-``jax.default_backend()``. XLA:CPU computes and keeps bfloat16 as float32 (a scanned step
-of bfloat16 layers saving one 4 MiB bfloat16 residual compiles to 20.25 MiB of
-temporaries, as float32 does, against 12.25 MiB in float16; and on the zoo's bfloat16
-steps the compiled bytes grow by 2 x the bfloat16 bytes kept). Neuron, GPU and TPU keep
-bfloat16 at 2 bytes."""
+``jax.default_backend()``. XLA:CPU computes and keeps bfloat16 as float32: saving the one
+tag of 16 scanned layers, 4 MiB of bfloat16 residuals in JAX's count, grows the compiled
+step by 7.75 MiB (by 4 MiB in float16, 8.5 MiB in float32: tests/cpu/test_fit.py), and on
+the zoo's bfloat16 steps a least-squares fit of the compiled bytes gives about 2 bytes per
+bfloat16 byte kept. Neuron, GPUs and TPUs keep bfloat16 at 2 bytes."""
 
 
 def _stored_bytes(value: Value, itemsizes: Mapping[str, int]) -> int:
