@@ -124,7 +124,11 @@ returned at 8.88 MiB, 0.56 MiB above it, where saving one tag alone compiles sma
 with the oracle gqa4-adamw's from 1.45 to 0.73 and its share within 0.5 points rose from 98%
 to 99%. The price is compiles: gqa4-adamw's sizes within the cap went from 91% to 90%
 (memory_analysis) and from 97% to 94% (oracle), the other train steps' by a point at most.
-At 5 gqa4-adamw's memory_analysis share fell to 88%, under the issue's 90%."""
+At 5 gqa4-adamw's memory_analysis share fell to 88%, under the issue's 90%. Chosen again
+once the model read bytes as the backend stores them (`_Candidate.stored`): 4 stays. At 3
+gqa4-adamw's largest gap with the oracle is 1.45 points (0.73 at 4) and rope-gqa2-bf16's
+share within 0.5 points with memory_analysis 98% (99%); at 5 gqa4-adamw is within the cap
+at 88% of sizes with memory_analysis (90%)."""
 SET_SD = 0.004
 """The spread of one save set's compiled bytes beyond its tags' effects (same unit)."""
 NO_REMAT_SPREAD = 1.5
