@@ -526,7 +526,7 @@ def fit_table(plan: Plan) -> str:
         f"{100 * rec.overhead:.2f}% of the step, {rec.compiles} compiles")
     lines.append(
         f"model: {rec.fixed_bytes / 2**20:.3f} MiB intercept + kept residuals of "
-        f"{rec.layers} layers "
+        f"{rec.layers} layers (as the backend stores them) "
         f"+ {rec.workspace_slope:.3g} x one layer's recomputed reads "
         f"(here {fmt_bytes(rec.workspace_bytes)}); largest miss "
         f"{fmt_bytes(rec.workspace_error_bytes)}")
