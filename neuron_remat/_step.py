@@ -15,7 +15,6 @@ worth deciding.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +25,7 @@ from jax.extend import core as jcore
 from . import _jaxpr, _trace
 from ._compile import _jitted
 from ._jax_compat import is_name_primitive, remat3_off, save_only_these_names
-from .graph import LayerGraph, Value
+from .graph import LayerGraph
 
 STORED_ITEMSIZE: dict[str, dict[str, int]] = {"cpu": {"bfloat16": 4}}
 """Bytes per element a backend stores where they differ from the dtype's, by
@@ -36,10 +35,6 @@ step by 7.75 MiB (by 4 MiB in float16, 8.5 MiB in float32: tests/cpu/test_fit.py
 the zoo's bfloat16 steps a least-squares fit of the compiled bytes gives about 2 bytes per
 bfloat16 byte kept. Neuron, GPUs and TPUs keep bfloat16 at 2 bytes."""
 
-
-def _stored_bytes(value: Value, itemsizes: Mapping[str, int]) -> int:
-    size = itemsizes.get(value.dtype)
-    return value.bytes if size is None else math.prod(value.shape) * size + value.extra_bytes
 
 
 def _depends(jaxpr: Any, seeds: set[Any]) -> tuple[set[Any], list[bool]]:
@@ -102,14 +97,14 @@ class LayerBackward:
         where given, by dtype: `STORED_ITEMSIZE`)."""
         ev = self.graph.evaluate_roles(saved)
         skip = set(ev.kept) | set(self.graph.inputs) | set(self.graph.params)
-        return sum(_stored_bytes(self.graph.values[v], itemsizes or {})
+        return sum(self.graph.values[v].bytes_as(itemsizes or {})
                    for v in self.needed if v not in skip)
 
     def stored_kept_bytes(self, kept: Iterable[str], itemsizes: Mapping[str, int]) -> int:
         """What an evaluation's `kept` values take (parameters count nothing, as in
         `LayerGraph.evaluate`), at `itemsizes` per element where given."""
         params = set(self.graph.params)
-        return sum(_stored_bytes(self.graph.values[v], itemsizes) for v in kept
+        return sum(self.graph.values[v].bytes_as(itemsizes) for v in kept
                    if v not in params)
 
 

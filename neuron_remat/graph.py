@@ -43,6 +43,12 @@ class Value:
         size = self.itemsize or dtype_bytes(self.dtype)
         return math.prod(self.shape) * size + self.extra_bytes
 
+    def bytes_as(self, itemsizes: Mapping[str, int]) -> int:
+        """`bytes` with ``itemsizes[dtype]`` bytes per element where given (what a backend
+        stores: `_step.STORED_ITEMSIZE`)."""
+        size = itemsizes.get(self.dtype)
+        return self.bytes if size is None else math.prod(self.shape) * size + self.extra_bytes
+
     @property
     def rounding_flops(self) -> int:
         """XLA's count for a ``reduce_precision`` of it (floating dtypes only)."""
