@@ -11,6 +11,7 @@ is the JAX policy of a save set, what is compiled and what a plan carries.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -105,6 +106,25 @@ def _fixed_bytes(lowered: Any, args: Sequence[Any]) -> int | None:
     return arg + out - min(donated, out)
 
 
+def _figures(mem: Any, fields: Sequence[str]) -> tuple[int, ...] | None:
+    """`fields` of a ``memory_analysis()`` result as ints; None when it has none, or one of
+    them is missing, None, not a number, not finite or negative (a backend's way of
+    reporting nothing)."""
+    if mem is None:
+        return None
+    out = []
+    for f in fields:
+        v = getattr(mem, f, None)
+        try:
+            v = float(v)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return None
+        if not math.isfinite(v) or v < 0:
+            return None
+        out.append(int(v))
+    return tuple(out)
+
+
 def _compile(step: Any, args: Sequence[Any]) -> _Compiled:
     start = time.perf_counter()
     lowered = _jitted(step).lower(*args)
@@ -130,9 +150,10 @@ def _compile(step: Any, args: Sequence[Any]) -> _Compiled:
         flops = float(cost.get("flops", float("nan"))) if cost else float("nan")
     except Exception:  # noqa: BLE001
         flops = float("nan")
-    if mem is None or not all(hasattr(mem, f) for f in fields):
+    figures = _figures(mem, fields)
+    if figures is None:
         return _Compiled(None, 0, 0, 0, 0, flops, seconds, fixed=fixed)
-    arg, out, temp, alias = (int(getattr(mem, f)) for f in fields)
+    arg, out, temp, alias = figures
     if arg + out + temp <= 0:
         return _Compiled(None, 0, 0, 0, 0, flops, seconds, fixed=fixed)
     return _Compiled(arg + out + temp - alias, arg, out, temp, alias, flops, seconds,

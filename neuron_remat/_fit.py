@@ -94,7 +94,7 @@ import numpy as np
 
 from ._compile import OOM_SIGNALS, Probe, _compile, _Compiled, _policy, out_of_memory
 from ._format import fmt_bytes, grid, tag_list
-from ._mix import fit_per_layer
+from ._mix import MIX_COMPILES, fit_per_layer
 from ._search import (DEFAULT_BAND, NO_REMAT, TIGHT, _Candidate, _candidates, _frontier,
                       _max_compiles, _Model, _oracle_cap, _PolicyIgnored, _Search, _stretch,
                       _what)
@@ -119,9 +119,9 @@ logger = logging.getLogger("neuron_remat.fit")  # the public name, not the priva
 class CompiledFit:
     """What `fit` learned from compiling the step, and the confirmed choice.
 
-    The model: ``bytes(S) = fixed_bytes + kept(S) + workspace_slope x read(S)``, kept(S)
-    the residuals of every layer, read(S) the bytes one layer's backward reads that S
-    recomputes (`workspace_bytes` for the choice), both as the backend stores them;
+    The model: ``bytes(S) = fixed_bytes + scale x kept(S) + workspace_slope x read(S)``,
+    kept(S) the residuals of every layer, read(S) the bytes one layer's backward reads that
+    S recomputes (`workspace_bytes` for the choice), both as the backend stores them;
     `fixed_bytes` is the fitted intercept: the state and the step's policy-independent
     temporaries, less what the slope's line over-counts at read(S) = 0 (it can be
     negative). `workspace_error_bytes` is the model's largest
@@ -148,6 +148,7 @@ class CompiledFit:
     recompute_flops: float
     measured: bool = True
     stop: str = ""
+    scale: float = 1.0  # compiled bytes per kept byte (as stored), fitted
 
     @property
     def overhead(self) -> float:
@@ -182,6 +183,17 @@ def _check_options(plan_options: dict[str, Any]) -> tuple[int | None, float]:
     ru = plan_options.get("runner_ups", 3)
     if isinstance(ru, bool) or not isinstance(ru, int) or ru < 0:
         raise ValueError(f"runner_ups={ru!r}: give an int >= 0")
+    ms = plan_options.get("max_sets", 2)
+    if ms is not None and (isinstance(ms, bool) or not isinstance(ms, (int, np.integer))
+                           or ms < 1):
+        raise ValueError(f"max_sets={ms!r}: give the most distinct save sets in a per-layer "
+                         "mix, an int of at least 1, or None for no limit")
+    cands = plan_options.get("candidates")
+    if cands is not None and not isinstance(cands, str) and not (
+            isinstance(cands, (list, tuple, set, frozenset))
+            and all(isinstance(t, str) for t in cands)):
+        raise ValueError(f"candidates={cands!r}: give tag names, a list of str or one "
+                         "comma-separated str")
     return mc, float(band)
 
 
@@ -233,8 +245,10 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
             end), ``band`` (the uncertainty of a prediction before any compile has
             missed, a share of full remat's bytes; 0.02), ``runner_ups`` (how many to
             list; 3), ``per_layer`` (True: then a mix of save sets over the layers, no
-            remat among them, compiled to confirm it: `fit_per_layer`) and ``max_sets``
-            (distinct sets in that mix; 2).
+            remat among them, compiled to confirm it: `fit_per_layer`, among the same
+            ``candidates``; a ``max_compiles`` given caps the two together, the uniform
+            fit getting all but `MIX_COMPILES` of it, and at least 3) and ``max_sets``
+            (distinct sets in that mix, at least 1, None for any; 2).
 
     Returns a `Plan` whose `Plan.policy` is exactly what was compiled (no remat:
     ``jax.checkpoint_policies.everything_saveable``) and whose `Plan.compiled` holds that
@@ -247,11 +261,15 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
     when the step has no checkpointed layer, ignores its policy, or an option is wrong.
     """
     if plan_options.get("per_layer"):  # the uniform fit, then a compiled mix (fit_per_layer)
+        cap, _ = _check_options(plan_options)
         options = {k: v for k, v in plan_options.items() if k not in ("per_layer", "max_sets")}
+        if cap is not None:  # a hard cap over both: the mix gets MIX_COMPILES of it
+            options["max_compiles"] = max(3, cap - MIX_COMPILES)
         uniform = fit(make_step, *args, device=device, reserve=reserve, **options)
         return fit_per_layer(uniform, make_step, *args,
                              max_sets=plan_options.get("max_sets", 2),
-                             progress=plan_options.get("progress"))
+                             progress=plan_options.get("progress"),
+                             candidates=plan_options.get("candidates"), max_compiles=cap)
     plan_options.pop("per_layer", None)
     plan_options.pop("max_sets", None)
     progress = plan_options.get("progress") or (lambda line: logger.info("%s", line))
@@ -277,7 +295,15 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
                  else "every tag saved" if not probes[1:] and len(c.saved) == len(tags)
                  else "search")
         progress(f"compile {len(probes) + 1}: {label} ({_what(c.saved)}) ...")
-        r = _compile(make_step(_policy(c.saved)), args)
+        try:
+            r = _compile(make_step(_policy(c.saved)), args)
+        except Exception as err:  # not out of memory (`_compile` answers that): the step's
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise RuntimeError(
+                f"fit: compile {len(probes) + 1} ({_what(c.saved)}) failed with "
+                f"{type(err).__name__}: {first}; the compiles before it: "
+                + ("; ".join(f"{p.label} ({_what(p.saved)})" for p in probes) or "none")
+            ) from err
         results[c.saved] = r
         probes.append(Probe(label, c.saved, r.bytes if r.bytes is not None else -1,
                             r.argument, r.output, r.temp, r.alias, r.flops, r.seconds,
@@ -374,8 +400,9 @@ def _make_plan(graph: StepGraph, best: _Candidate, cands: Sequence[_Candidate],
     if no_remat:
         saved = tuple(graph.tags)
         kept, recompute, read = best.kept, 0, 0
-        notes.append(f"no remat fits: the step without remat compiles to "
-                     f"{fmt_bytes(compiled.bytes or 0)} <= {fmt_bytes(limit)}; the policy is "
+        said = (f"compiles to {fmt_bytes(compiled.bytes or 0)} <= {fmt_bytes(limit)}"
+                if measured else f"compiles (predicted {fmt_bytes(compiled.bytes or 0)})")
+        notes.append(f"no remat fits: the step without remat {said}; the policy is "
                      "jax.checkpoint_policies.everything_saveable")
         workspace = 0
     else:
@@ -413,7 +440,7 @@ def _make_plan(graph: StepGraph, best: _Candidate, cands: Sequence[_Candidate],
         workspace_slope=model.slope, workspace_bytes=workspace,
         workspace_error_bytes=int(error), layers=layers,
         step_flops=float(graph.no_remat_flops), recompute_flops=float(recompute),
-        measured=measured, stop=stop)
+        measured=measured, stop=stop, scale=model.scale)
     fwd = graph.no_remat_flops / 3 / layers
     return Plan(
         policy=_policy(best.saved), saved_tags=tuple(saved),
@@ -463,11 +490,16 @@ class FitPreview:
                          f"{100 * f / self.step_flops:.2f}%" if self.step_flops else "-"))
         lines = grid(rows)
         fr = self.full_remat
+        if fr.out_of_memory:
+            said = "ran out of memory" + (f" ({fmt_bytes(fr.reported_bytes)} reported)"
+                                          if fr.reported_bytes else "") + " against a limit of"
+        else:
+            said = "compiled to " + (fmt_bytes(fr.bytes) if self.measured
+                                     else "(no memory figures)") + " of"
         lines.append("")
         lines.append(
-            "dry run: full remat compiled to "
-            + (fmt_bytes(fr.bytes) if self.measured else "(no memory figures)")
-            + f" of {fmt_bytes(self.limit_bytes)}; fit would make at most "
+            f"dry run: full remat {said} {fmt_bytes(self.limit_bytes)}; fit would make at "
+            "most "
             f"{self.max_compiles} compiles among these {len(self.candidates)} sets ("
             + (f"{self.max_compiles + self.stretch} where full remat does not fit or is "
                f"within {TIGHT:g} x the uncertainty of the limit; " if self.stretch else "")
@@ -486,7 +518,10 @@ def fit_preview(make_step: Callable[[Any], Any], *args: Any,
     full = next(c for c in cands if c.saved == ())
     r = _compile(make_step(_policy(())), args)
     measured = r.bytes is not None
-    base = r.bytes if measured else (r.fixed or 0) + full.stored + full.read
+    # an out-of-memory error's figure over the limit is the program's (`_Search._figure`)
+    figure = r.bytes if measured else (
+        r.reported if r.oom and r.reported is not None and r.reported > limit else None)
+    base = figure if figure is not None else (r.fixed or 0) + full.stored + full.read
     model = _Model(float(base - full.stored - full.read), 1.0, 1.0)
     front = _frontier(cands, lambda c: model.predict(c.stored, c.read))
     probe = Probe("full remat", (), r.bytes if measured else -1, r.argument, r.output,
@@ -525,8 +560,8 @@ def fit_table(plan: Plan) -> str:
         f"{fmt_bytes(rec.hbm_bytes)} - reserve {fmt_bytes(rec.reserve_bytes)}), recompute "
         f"{100 * rec.overhead:.2f}% of the step, {rec.compiles} compiles")
     lines.append(
-        f"model: {rec.fixed_bytes / 2**20:.3f} MiB intercept + kept residuals of "
-        f"{rec.layers} layers (as the backend stores them) "
+        f"model: {rec.fixed_bytes / 2**20:.3f} MiB intercept + {rec.scale:.3g} x kept "
+        f"residuals of {rec.layers} layers (as the backend stores them) "
         f"+ {rec.workspace_slope:.3g} x one layer's recomputed reads "
         f"(here {fmt_bytes(rec.workspace_bytes)}); largest miss "
         f"{fmt_bytes(rec.workspace_error_bytes)}")

@@ -28,6 +28,9 @@ logger = logging.getLogger("neuron_remat.fit")  # the public name, not the priva
 MIX_ATTEMPTS = 3
 """Compiles `fit_per_layer` spends on mixes: after a compiled mix misses its prediction,
 the miss is reserved and the mix chosen again."""
+MIX_COMPILES = 2
+"""The share of a ``max_compiles`` the caller gave ``fit(..., per_layer=True)`` that the
+mix gets: no remat (the mixes' end point, when `fit` did not compile it) and one mix."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +113,9 @@ def _choose_mix(sets: Sequence[_MixSet], layers: int, room: int, max_sets: int |
 
 def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
                   max_sets: int | None = 2,
-                  progress: Callable[[str], None] | None = None) -> Plan:
+                  progress: Callable[[str], None] | None = None,
+                  candidates: Sequence[str] | str | None = None,
+                  max_compiles: int | None = None) -> Plan:
     """A per-layer mix of save sets (no remat among them) for the step `uniform` was fitted
     on, confirmed by compiling it.
 
@@ -125,14 +130,21 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
     policies). Running the stack as several scans costs memory of its own; a compiled mix
     over the limit has its miss (compiled - predicted) reserved and the mix is chosen
     again, up to `MIX_ATTEMPTS` compiles. When none fits (or the step has layers of
-    several kinds, or no memory analysis), the uniform plan is returned with a note.
+    several kinds, or no memory analysis), the uniform plan is returned with a note, and
+    its figures as `fit` gave them.
+
+    `candidates`: the tags a mix may save (`fit`'s option of that name; every useful tag
+    when None). `max_compiles`: the compiles allowed in all, `uniform`'s included (a hard
+    cap, as `fit`'s); no limit but `MIX_ATTEMPTS` when None.
     """
     say = progress or (lambda line: logger.info("%s", line))
     rec = uniform.compiled
     graph = step_graph(make_step, *args)
+    own_recompute = uniform.recompute_flops_per_layer  # the graph's count, as fit states it
 
     def keep(note: str) -> Plan:
-        return dataclasses.replace(uniform, notes=(*uniform.notes, note))
+        return dataclasses.replace(uniform, notes=(*uniform.notes, note),
+                                   recompute_flops_per_layer=own_recompute)
 
     if rec is None or not rec.measured:
         return keep("per-layer plan: not tried (no compiled calibration)")
@@ -142,19 +154,27 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
         return keep(f"per-layer plan: not tried ({len(graph.layers)} kinds of checkpointed "
                     "layer; one scanned stack is supported)")
     n = graph.count
-    tags = _pool(graph, None)
+    tags = _pool(graph, candidates)
     best_tags = tuple(t for t in tags if t in uniform.saved_tags)  # as `_mix_sets` orders
     probes = list(rec.probes)
-    if not any(p.saved is None and p.label != "per-layer mix" for p in probes):
+    has_no_remat = any(p.saved is None and p.label != "per-layer mix" for p in probes)
+    left = MIX_ATTEMPTS + 1 if max_compiles is None else max_compiles - len(probes)
+    if left < 1 + (not has_no_remat):
+        return keep(f"per-layer plan: not tried (the budget of {max_compiles} compiles is "
+                    "spent)")
+    attempts = min(MIX_ATTEMPTS, left - (not has_no_remat))
+    if not has_no_remat:
         # The other end point of the mixes, measured: no remat's untagged values make it
         # the model's least certain figure.
         say(f"compile {len(probes) + 1}: no remat (the per-layer plan's end point) ...")
         c = _compile(make_step(_policy(None)), args)
-        if c.bytes is None:
+        if c.bytes is None and not c.oom:
             return keep("per-layer plan: the backend has no memory_analysis(); not tried")
-        probes.append(Probe(NO_REMAT, None, c.bytes, c.argument, c.output, c.temp, c.alias,
-                            c.flops, c.seconds))
-        say(f"compile {len(probes)}: {fmt_bytes(c.bytes)}")
+        probes.append(Probe(NO_REMAT, None, -1 if c.bytes is None else c.bytes, c.argument,
+                            c.output, c.temp, c.alias, c.flops, c.seconds,
+                            out_of_memory=c.oom, reported_bytes=c.reported))
+        say(f"compile {len(probes)}: " + ("out of memory" if c.bytes is None
+                                          else fmt_bytes(c.bytes)))
         rec = dataclasses.replace(rec, probes=tuple(probes), compiles=len(probes))
         uniform = dataclasses.replace(uniform, compiled=rec)
     sets, model = _mix_sets(graph, tags, probes)
@@ -163,8 +183,8 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
         return keep("per-layer plan: not tried (the uniform set is not among the tags "
                     "worth deciding)")
     uniform_cost = by_saved[best_tags].cost
-    # The per-layer plan states recompute as XLA counted it (see `_mix_sets`), the uniform
-    # set's too, so that the two compare.
+    # A mix states recompute as XLA counted it (see `_mix_sets`), the uniform set's too,
+    # so that the two compare; a uniform plan that stands keeps fit's figure (`keep`).
     uniform = dataclasses.replace(uniform, recompute_flops_per_layer=uniform_cost)
 
     def mix_of(chosen: list[tuple[_MixSet, int]]) -> tuple[LayerMix, ...]:
@@ -177,17 +197,17 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
 
     reserve = 0
     c = None
-    for attempt in range(MIX_ATTEMPTS):
+    for attempt in range(attempts):
         room = int(rec.limit_bytes - model.intercept - reserve)
         answer = _choose_mix(sets, n, room, max_sets)
         if answer is None or len(answer[1]) == 1 or answer[0] >= uniform_cost * n:
             if attempt == 0:  # the best mix is the uniform set
                 one = by_saved.get(best_tags)
                 return dataclasses.replace(
-                    uniform, layer_policies=None,
-                    layer_mix=mix_of([(one, n)]) if one is not None else (),
-                    notes=(*uniform.notes, "per-layer plan: no mix that recomputes less is "
-                           f"predicted to fit {fmt_bytes(rec.limit_bytes)}"))
+                    keep("per-layer plan: no mix that recomputes less is predicted to fit "
+                         f"{fmt_bytes(rec.limit_bytes)}"), layer_policies=None,
+                    layer_mix=mix_of([(dataclasses.replace(one, cost=own_recompute), n)])
+                    if one is not None else ())
             break
         cost, chosen = answer
         predicted = int(round(model.intercept + sum(s.per_layer * k for s, k in chosen)
@@ -212,7 +232,8 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
         record = dataclasses.replace(rec, probes=tuple(probes), compiles=len(probes))
         if not c.over(rec.limit_bytes):
             # The plan's compiled figures are the mixed step's, the one it hands out; its
-            # recompute is the layer graph's (a rolled scan's FLOPs count one body per scan).
+            # recompute is the mix's as XLA counts it (`_mix_sets`: a rolled scan's FLOPs
+            # count one body per scan).
             record = dataclasses.replace(record, bytes=int(c.bytes), flops=c.flops,
                                          recompute_flops=cost)
             return dataclasses.replace(

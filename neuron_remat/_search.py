@@ -262,8 +262,9 @@ class _Search:
         got = self.measure(c, predicted)
         self.compiled[c.saved] = got
         self.order.append(c.saved)
-        if got.bytes is not None and predicted is not None:
-            miss = abs(got.bytes - predicted)
+        figure = self._figure(got)
+        if figure is not None and predicted is not None:
+            miss = abs(figure - predicted)
             if miss > self.sigma:
                 self.sigma = max(miss, WIDEN * self.sigma)
             else:
@@ -422,7 +423,7 @@ class _Search:
         every = self._every
         if every is not None and every.saved and self.used < self.max_compiles:
             got = self._measure(every)
-            if got.bytes is None:  # the backend stopped reporting: the compile decides
+            if got.bytes is None and not got.oom:  # no figures now: the compile decides
                 self.oracle = True
                 return self._bisect_oracle()
             self._check_used(every)
@@ -441,8 +442,12 @@ class _Search:
                 f"program ({fmt_bytes(b.bytes or 0)}, {b.flops / 1e9:.4g} GFLOP)")
 
     def _follows(self, full: _Candidate, every: _Candidate) -> bool:
-        """Whether the compiled bytes follow the kept bytes (`noticed` says why not)."""
-        grew = self.compiled[every.saved].bytes - self.compiled[()].bytes  # type: ignore[operator]
+        """Whether the compiled bytes follow the kept bytes (`noticed` says why not); True
+        when the compile of every tag gave no figure to tell (out of memory, none given)."""
+        figure = self._figure(self.compiled[every.saved])
+        if figure is None:
+            return True
+        grew = figure - self.compiled[()].bytes  # type: ignore[operator]
         if grew >= 0.5 * (every.stored - full.stored):
             return True
         nr = self._by.get(None)
@@ -488,9 +493,11 @@ class _Search:
             if not better:
                 self.stop = "every set that recomputes less was compiled"
                 return best
-            if better == [self.candidates[0]] and better[0].saved is None:
+            if better == [self.candidates[0]] and better[0].saved is None and (
+                    self._every is None or self.fits(self._every.saved)):
                 # the least-recompute save set fits: only no remat is better, and one
-                # compile says whether it fits (its own prediction is the least sure)
+                # compile says whether it fits (its own prediction is the least sure).
+                # When that set came out over, no remat, which keeps more, is not tried.
                 got = self._measure(better[0])
                 continue
             last = self.used == self.max_compiles - 1
@@ -697,9 +704,13 @@ class _Search:
         every = self._every
         if every is not None and every.saved and self.used < total:
             got = self._measure(every)
-            if got.bytes is None and not got.oom:  # no figures: the compile is the oracle
+            if got.bytes is None and not got.oom:
+                # no figures: the compile is the oracle, and every tag fits; only no remat
+                # recomputes less, and the walk says whether it is worth a compile
                 self.oracle = True
-                return self.best()
+                self.max_compiles = total if self.budget_given else _oracle_cap(len(
+                    _frontier(self.candidates)))
+                return self._walk()
             self._check_used(every)
             if not got.over(self.limit):
                 if self.fits(()) and not self._follows(full, every):

@@ -1,0 +1,277 @@
+"""`fit` at the edges of what a backend says: a compile that runs out of memory beside
+compiles that report memory, memory figures that are not numbers, a compile that fails for
+another reason, a budget the caller gave to a per-layer fit, and the dry run when full remat
+does not fit.
+
+The step is a small scanned stack of two tagged matmuls (`h1`, then `h2` from it), AdamW-free
+SGD inside the jitted step, the state donated. Every expected figure is XLA's own compile of
+the policy in question; the backends that misbehave are wrappers around the real compile,
+each named for what it simulates.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.ad_checkpoint import checkpoint_name
+
+import neuron_remat as nr
+from neuron_remat import _fit as F
+from neuron_remat.policies import RegexPolicy
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import zoo  # noqa: E402
+
+LAYERS, HIDDEN, FFN, BATCH = 8, 64, 256, 128
+MiB = 1 << 20
+FIELDS = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+          "alias_size_in_bytes")
+
+
+def _layer(x, w):
+    h = checkpoint_name(x @ w["a"], "h1")
+    g = checkpoint_name(jnp.tanh(h) @ w["b"], "h2")
+    return x + jnp.tanh(g) @ w["c"]
+
+
+def make_step(policy):
+    def loss(p, x):
+        return jnp.mean(nr.scan_layers(_layer, p, x, policy) ** 2)
+
+    def update(p, x):
+        g = jax.grad(loss)(p, x)
+        return jax.tree.map(lambda a, b: a - 1e-2 * b, p, g)
+
+    return jax.jit(update, donate_argnums=(0,))
+
+
+S = jax.ShapeDtypeStruct
+ARGS = ({"a": S((LAYERS, HIDDEN, FFN), jnp.float32), "b": S((LAYERS, FFN, FFN), jnp.float32),
+         "c": S((LAYERS, FFN, HIDDEN), jnp.float32)}, S((BATCH, HIDDEN), jnp.float32))
+
+
+def _xla_bytes(policy) -> int:
+    m = make_step(policy).lower(*ARGS).compile().memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)
+
+
+def _saves(policy) -> tuple[str, ...] | str | None:
+    """The tags `policy` saves; None for no remat, "mix" for one policy per layer."""
+    if isinstance(policy, (tuple, list)):
+        return "mix"
+    if policy is jax.checkpoint_policies.everything_saveable:
+        return None
+    if hasattr(policy, "saves"):  # what fit compiles
+        return tuple(t for t in ("h1", "h2") if policy.saves(t))
+    return tuple(t for t in ("h1", "h2") if t in policy.saveable_names)  # fit's trace
+
+
+@pytest.fixture(scope="module")
+def xla():
+    """XLA's compiled bytes of full remat, each tag alone, both, and no remat."""
+    from jax._src.ad_checkpoint import save_only_these_names
+
+    sets = [(), ("h1",), ("h2",), ("h1", "h2")]
+    out = {s: _xla_bytes(save_only_these_names(*s)) for s in sets}
+    out[None] = _xla_bytes(jax.checkpoint_policies.everything_saveable)
+    return out
+
+
+def _device(limit: int) -> tuple[nr.DeviceSpec, int]:
+    """A one-core device of 100 MiB and the reserve that leaves `limit` bytes."""
+    return nr.parse_device("trn2.48xlarge:hbm=100MiB:cores=1", source="test"), 100 * MiB - limit
+
+
+REAL = object()  # `_Counting`'s memory figures: XLA's own
+
+
+class _Counting:
+    """A step whose compiles are counted (`count[0]`) and, for the save sets in `refuse`,
+    fail as XLA does when the program does not fit (simulated: RESOURCE_EXHAUSTED). With
+    `memory`, every field of ``memory_analysis()`` is that value (simulated)."""
+
+    def __init__(self, step, saved, count, refuse=(), memory=REAL):
+        self._step, self._saved, self._count = step, saved, count
+        self._refuse, self._memory = refuse, memory
+
+    def __call__(self, *a):
+        return self._step(*a)
+
+    def trace(self, *a):
+        return self._step.trace(*a)
+
+    def lower(self, *a):
+        lowered, outer = self._step.lower(*a), self
+
+        class Lowered:
+            def __getattr__(self, name):
+                return getattr(lowered, name)
+
+            def compile(self):
+                outer._count[0] += 1
+                if outer._saved in outer._refuse:
+                    raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                       "allocate 2000000000 bytes.")
+                c = lowered.compile()
+                if outer._memory is REAL:
+                    return c
+                return types.SimpleNamespace(
+                    memory_analysis=lambda: types.SimpleNamespace(
+                        **{f: outer._memory for f in FIELDS}),
+                    cost_analysis=c.cost_analysis)
+
+        return Lowered()
+
+
+def _counting(count, **kw):
+    return lambda policy: _Counting(make_step(policy), _saves(policy), count, **kw)
+
+
+def test_an_out_of_memory_compile_beside_memory_figures_is_over_not_the_oracle(xla):
+    """A backend that reports memory but refuses one program (simulated: saving both tags
+    raises RESOURCE_EXHAUSTED) keeps reading figures: the plan states its policy's compile,
+    not a prediction, and says nothing of a backend without figures."""
+    limit = xla[()] + (xla[("h1", "h2")] - xla[()]) // 2
+    device, reserve = _device(limit)
+    count = [0]
+    plan = nr.fit(_counting(count, refuse={("h1", "h2")}), *ARGS, device=device,
+                  reserve=reserve, progress=lambda line: None)
+    assert plan.compiled.measured
+    assert plan.compiled.bytes == _xla_bytes(plan.policy) <= limit
+    assert not any("no memory figures" in n for n in plan.notes)
+    assert plan.compiled.compiles == count[0]
+
+
+def test_no_remat_is_not_compiled_once_every_tag_came_out_over(xla):
+    """No remat keeps more than saving every tag: once that compiled over the limit, no
+    remat is not worth a compile."""
+    assert xla[None] > xla[("h1", "h2")] > xla[()]
+    limit = (xla[()] + xla[("h1", "h2")]) // 2
+    device, reserve = _device(limit)
+    plan = nr.fit(make_step, *ARGS, device=device, reserve=reserve,
+                  progress=lambda line: None)
+    compiled = [p.saved for p in plan.compiled.probes]
+    assert ("h1", "h2") in compiled and None not in compiled
+    assert plan.compiled.bytes == _xla_bytes(plan.policy) <= limit
+    assert plan.compiled.stop
+
+
+def test_full_remat_out_of_memory_then_every_tag_fits_without_figures(xla):
+    """With the compile as the oracle (simulated: no memory figures, and the compiler
+    refuses full remat only, as where saving tags compiles smaller), every tag saved fits:
+    only no remat recomputes less, it gets a compile, and the search says why it ended."""
+    count = [0]
+
+    def step(policy):
+        saved = _saves(policy)
+        return _Counting(make_step(policy), saved, count, refuse={()}, memory=float("nan"))
+
+    device, reserve = _device(50 * MiB)
+    plan = nr.fit(step, *ARGS, device=device, reserve=reserve, progress=lambda line: None)
+    assert [p.saved for p in plan.compiled.probes] == [(), ("h1", "h2"), None]
+    assert plan.saved_tags == ("h1", "h2") and plan.policy is \
+        jax.checkpoint_policies.everything_saveable
+    assert plan.compiled.stop and plan.notes[0] == f"search: {plan.compiled.stop}"
+
+
+@pytest.mark.parametrize("value", [None, float("nan"), float("inf"), -1, "n/a"])
+def test_memory_figures_that_are_not_sizes_make_the_compile_the_oracle(xla, value):
+    """A memory_analysis() whose fields are not byte counts (simulated) is a backend
+    without figures: fit plans with the compile as the oracle, it does not crash."""
+    count = [0]
+    device, reserve = _device(xla[("h1", "h2")] + MiB)
+    plan = nr.fit(_counting(count, memory=value), *ARGS, device=device, reserve=reserve,
+                  progress=lambda line: None)
+    assert not plan.compiled.measured
+    assert all(p.bytes == -1 for p in plan.compiled.probes)
+
+
+def test_a_compile_that_fails_otherwise_names_the_compile(xla):
+    class Broken(_Counting):
+        def lower(self, *a):
+            if self._saved == ("h1", "h2"):
+                raise RuntimeError("INTERNAL: the compiler crashed\nmore detail")
+            return super().lower(*a)
+
+    device, reserve = _device(xla[None] + MiB)
+    with pytest.raises(RuntimeError) as err:
+        nr.fit(lambda p: Broken(make_step(p), _saves(p), [0]), *ARGS, device=device,
+               reserve=reserve, progress=lambda line: None)
+    text = str(err.value)
+    assert "compile 2 (save h1, h2) failed with RuntimeError: INTERNAL: the compiler " \
+           "crashed;" in text and "full remat" in text and "\n" not in text
+
+
+def test_a_budget_given_caps_the_per_layer_fit_too(xla):
+    """``max_compiles`` is a hard cap over the uniform fit and its per-layer mix."""
+    limit = (xla[("h1",)] + xla[("h1", "h2")]) // 2
+    device, reserve = _device(limit)
+    for cap in (3, 4, 5, 6):
+        count = [0]
+        plan = nr.fit(_counting(count), *ARGS, device=device, reserve=reserve, per_layer=True,
+                      max_compiles=cap, progress=lambda line: None)
+        assert count[0] <= cap, (cap, count[0])
+        assert plan.compiled.compiles == count[0]
+
+
+def test_the_per_layer_mix_saves_only_the_candidates(xla):
+    """``candidates`` bounds the mix as it bounds the uniform set (between saving both
+    tags and no remat, where a mix of `h2` and no remat would otherwise be tried)."""
+    limit = xla[None] - (xla[None] - xla[("h1", "h2")]) // 8
+    device, reserve = _device(limit)
+    plan = nr.fit(make_step, *ARGS, device=device, reserve=reserve, per_layer=True,
+                  candidates=["h1"], progress=lambda line: None)
+    assert set(plan.saved_tags) <= {"h1"}
+    for m in plan.layer_mix:
+        assert set(m.tags) <= {"h1"}, plan.layer_mix
+    for p in plan.layer_policies or ():
+        assert not isinstance(p, RegexPolicy) or not p.saves("h2")
+
+
+def test_a_uniform_plan_that_stands_keeps_its_figures(xla):
+    """When no mix is adopted, ``per_layer=True`` returns the uniform plan as fit gave it:
+    the same recompute, so `Plan.overhead` is `Plan.compiled.overhead`."""
+    limit = (xla[("h1",)] + xla[("h1", "h2")]) // 2
+    device, reserve = _device(limit)
+    uniform = nr.fit(make_step, *ARGS, device=device, reserve=reserve,
+                     progress=lambda line: None)
+    mixed = nr.fit(make_step, *ARGS, device=device, reserve=reserve, per_layer=True,
+                   progress=lambda line: None)
+    if mixed.layer_policies is not None:
+        pytest.skip("a mix was adopted here; the test needs one that is not")
+    assert mixed.saved_tags == uniform.saved_tags
+    assert mixed.recompute_flops_per_layer == uniform.recompute_flops_per_layer
+    assert mixed.overhead == pytest.approx(mixed.compiled.overhead)
+
+
+@pytest.mark.parametrize("option,value", [("max_sets", 0), ("max_sets", -3), ("max_sets", "2"),
+                                          ("max_sets", 2.5), ("max_sets", True),
+                                          ("candidates", 5), ("candidates", [1, 2])])
+def test_bad_per_layer_options_are_one_line_before_any_compile(option, value):
+    count = [0]
+    device, reserve = _device(50 * MiB)
+    with pytest.raises(ValueError) as err:
+        nr.fit(_counting(count), *ARGS, device=device, reserve=reserve, per_layer=True,
+               **{option: value})
+    assert str(err.value).startswith(f"{option}={value!r}: ") and "\n" not in str(err.value)
+    assert count[0] == 0
+
+
+def test_dry_run_says_full_remat_ran_out_of_memory(xla):
+    """Under the simulated oracle a full remat over the limit is reported as such, and its
+    error's figure (over the limit) places the predictions."""
+    limit = xla[()] - 64 * 1024
+    device, reserve = _device(limit)
+    preview = F.fit_preview(zoo.oracle_make_step(make_step, limit), *ARGS, device=device,
+                            reserve=reserve)
+    assert preview.full_remat.out_of_memory
+    text = preview.table()
+    assert "full remat ran out of memory" in text and "compiled to" not in text
+    full = [b for s, b, _ in preview.candidates if s == ()]
+    assert full == [xla[()]]  # the simulation's error names the compiled bytes
