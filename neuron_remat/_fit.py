@@ -99,7 +99,7 @@ from ._search import (DEFAULT_BAND, NO_REMAT, TIGHT, _Candidate, _candidates, _f
                       _max_compiles, _Model, _oracle_cap, _PolicyIgnored, _Search, _stretch,
                       _what)
 from ._step import LayerBackward, StepGraph, _pool, step_graph
-from .device import DeviceSpec
+from .device import DeviceSpec, as_device
 from .memory_model import reserve_bytes as _reserve_bytes
 from ._plan import Choice, NoFitError, Plan, TagDecision
 
@@ -200,6 +200,7 @@ def _check_options(plan_options: dict[str, Any]) -> tuple[int | None, float]:
 def _setup(make_step: Callable[[Any], Any], args: Sequence[Any], device: DeviceSpec | None,
            reserve: float | int | None, plan_options: dict[str, Any]) -> tuple[Any, ...]:
     max_compiles, band = _check_options(plan_options)
+    device = as_device(device, "fit(device=...)")
     if device is None:
         from .device import detect  # noqa: PLC0415
 

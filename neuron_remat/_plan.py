@@ -377,8 +377,8 @@ class Plan:
         names = ", ".join(repr(t) for t in self.saved_tags)
         policy = (f"neuron_remat.RegexPolicy({list(self.policy.save)!r})" if prefixed else
                   f"jax.checkpoint_policies.save_only_these_names({names})")
-        return ("JAX: prevent_cse=False inside lax.scan; Flax nn.remat and Equinox "
-                "filter_checkpoint take the same policy=",
+        return ("JAX: prevent_cse=True as here is safe anywhere (inside lax.scan False is "
+                "enough); Flax nn.remat and Equinox filter_checkpoint take the same policy=",
                 f"layer = jax.checkpoint(layer, policy={policy}, prevent_cse=True)")
 
 

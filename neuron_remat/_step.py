@@ -183,6 +183,11 @@ class StepGraph:
         return max(layer.recomputed_read_bytes(s, self.itemsizes) for layer in self.layers)
 
 
+class StepTraceError(ValueError):
+    """The user's step failed to trace with the arguments given: its error, not
+    neuron_remat's (the cause is chained)."""
+
+
 def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
     """Trace ``make_step(save nothing)`` on `args` (no compile) and read its layers.
 
@@ -192,7 +197,14 @@ def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
     decisions under both, so the graph is the same; the probes compile under the
     implementation the host really runs."""
     with remat3_off():
-        closed = jax.make_jaxpr(_jitted(make_step(save_only_these_names())))(*args)
+        try:
+            closed = jax.make_jaxpr(_jitted(make_step(save_only_these_names())))(*args)
+        except Exception as err:  # noqa: BLE001  the user's step, failing as it will
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise StepTraceError(
+                f"make_step(policy)(*args) raised {type(err).__name__} when traced: {first} "
+                "(make_step takes a JAX remat policy and returns the training step, which "
+                "is called with the args given)") from err
     layers = [_layer_backward(body, m) for body, m in _remat_bodies(closed.jaxpr)]
     if not layers:
         raise ValueError(

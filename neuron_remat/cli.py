@@ -183,7 +183,10 @@ def _max_sets(text: str) -> int | None:
     """An argparse type for --max-sets: a positive integer, or 'none' (no bound)."""
     if text.strip().lower() == "none":
         return None
-    return _count(what="a number of save sets")(text)
+    try:
+        return _count(what="a number of save sets")(text)
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"{err}, or none (no bound)") from None
 
 
 def _plan_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
@@ -201,12 +204,15 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[Any, ...]:
     if args.microbatches is not None and args.pp == 1:
         raise UsageError(f"--microbatches {args.microbatches} applies to a pipeline, but "
                          "--pp is 1; give --pp N (N > 1) or drop --microbatches")
+    if args.schedule is not None and args.pp == 1:
+        raise UsageError(f"--schedule {args.schedule} applies to a pipeline, but --pp is 1; "
+                         "give --pp N (N > 1) or drop --schedule")
     shape = models.StepShape(seq_len=seq, micro_batch=args.micro_batch,
                              activation_dtype=args.activation_dtype,
                              param_dtype=args.param_dtype, optimizer=args.optimizer)
     seq_par = args.tp > 1 if args.sequence_parallel is None else args.sequence_parallel
     par = models.Parallelism(tp=args.tp, sequence_parallel=seq_par, fsdp=args.fsdp,
-                             dp=args.dp, pp=args.pp, schedule=args.schedule,
+                             dp=args.dp, pp=args.pp, schedule=args.schedule or "1f1b",
                              microbatches=args.microbatches, zero1=args.zero1,
                              hosts=args.hosts, ep=args.ep)
     device, note = _device_for_plan(args.device)
@@ -219,7 +225,12 @@ _PLOT_FORMATS = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 
 
 def _check_plot_path(path: str) -> None:
-    """Refuse a --plot path that cannot be written, before planning."""
+    """Refuse a --plot path that cannot be written, before planning (so that `--json`
+    prints one document): a name without a picture's extension, a missing or read-only
+    folder, or a file that cannot be opened for writing there."""
+    if not path.strip():
+        raise UsageError("--plot '': give a file name ending in one of "
+                         f"{', '.join(_PLOT_FORMATS)}")
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.splitext(path)[1].lower() not in _PLOT_FORMATS:
         raise UsageError(f"--plot {path!r}: the name must end in one of "
@@ -228,6 +239,15 @@ def _check_plot_path(path: str) -> None:
         raise UsageError(f"--plot {path!r}: folder {folder!r} does not exist")
     if not os.access(folder, os.W_OK):
         raise UsageError(f"--plot {path!r}: folder {folder!r} is not writable")
+    existed = os.path.exists(path)
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as err:
+        raise UsageError(f"--plot {path!r}: cannot write it ({err.strerror or err})"
+                         ) from None
+    if not existed:
+        os.remove(path)  # only the check made it
 
 
 def _print_plan_json(chosen: planner.Plan, note: str | None, **extra: Any) -> None:
@@ -251,7 +271,7 @@ def _no_fit(err: planner.NoFitError, as_json: bool) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from . import planner  # noqa: PLC0415 - policies load JAX: only when planning
 
-    if args.plot:
+    if args.plot is not None:
         _check_plot_path(args.plot)
     if args.max_sets != 2 and not args.per_layer:
         raise UsageError(f"--max-sets {args.max_sets if args.max_sets is not None else 'none'}"
@@ -279,7 +299,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                  f"{args.max_sets if args.max_sets is not None else 'any number of'} sets)"
                  if args.per_layer else ""))
         print(chosen.table())
-    if args.plot:
+    if args.plot is not None:
         return _plot(chosen, config, shape, args.plot)
     return 0
 
@@ -384,12 +404,18 @@ def _cmd_audit(args: argparse.Namespace) -> int:
 
     if args.policy and (args.save or args.offload):
         raise UsageError("give --policy or --save/--offload, not both")
+    for flag, given in (("--offload-dst", args.offload_dst is not None),
+                        ("--allow-offload-on-neuron", args.allow_offload_on_neuron)):
+        if given and not args.offload:
+            raise UsageError(f"{flag} applies to offloaded tags; add --offload PATTERN or "
+                             f"drop {flag}")
     if args.policy:
         policy = policies.preset(args.policy)
     else:
         policy = policies.RegexPolicy(args.save or (), args.offload or (),
                                       offload_src="device" if args.offload else None,
-                                      offload_dst=args.offload_dst if args.offload else None,
+                                      offload_dst=(args.offload_dst or "pinned_host")
+                                      if args.offload else None,
                                       allow_offload_on_neuron=args.allow_offload_on_neuron)
     fn, fargs = _load_factory(args.target)
     try:
@@ -418,6 +444,7 @@ def _band(text: str) -> float:
 def _cmd_fit(args: argparse.Namespace) -> int:
     from . import planner  # noqa: PLC0415
     from ._fit import fit, fit_preview, fit_table  # noqa: PLC0415 - traces and compiles
+    from ._step import StepTraceError  # noqa: PLC0415
 
     make_step, fargs = _load_factory(args.target)
     device, note = _device_for_plan(args.device)
@@ -431,7 +458,11 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         options["max_compiles"] = args.max_compiles
     if args.dry_run:
         print("dry run: compiling full remat only ...", file=sys.stderr, flush=True)
-        preview = fit_preview(make_step, *fargs, device=device, reserve=reserve, **options)
+        try:
+            preview = fit_preview(make_step, *fargs, device=device, reserve=reserve,
+                                  **options)
+        except StepTraceError as err:  # the user's step (a bug of ours is not)
+            raise UsageError(f"fit target {args.target!r}: {err}") from err
         if args.json:
             _print_json({**preview.to_dict(), **({"note": note} if note else {})})
         else:
@@ -445,6 +476,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         chosen = fit(make_step, *fargs, device=device, reserve=reserve, **options)
     except planner.NoFitError as err:
         return _no_fit(err, args.json)
+    except StepTraceError as err:  # the user's step (a bug of ours is not)
+        raise UsageError(f"fit target {args.target!r}: {err}") from err
     if args.json:
         _print_plan_json(chosen, note)
     else:
@@ -534,7 +567,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--pp", type=_count(what="a degree"), default=1)
     pl.add_argument("--ep", type=_count(what="a degree"), default=1,
                     help="expert-parallel degree (MoE models), out of the fsdp x dp cores")
-    pl.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    pl.add_argument("--schedule", choices=["1f1b", "gpipe"],
+                    help="pipeline schedule (default 1f1b; needs --pp > 1)")
     pl.add_argument("--microbatches", type=_count(what="a micro-batch count"),
                     help="micro-batches per step of a pipeline (needs --pp > 1)")
     pl.add_argument("--zero1", action="store_true", help="shard optimizer state over dp")
@@ -573,9 +607,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="a preset (`neuron-remat presets` lists them)")
     a.add_argument("--save", nargs="+", metavar="PATTERN", help="save patterns")
     a.add_argument("--offload", nargs="+", metavar="PATTERN", help="offload patterns")
-    a.add_argument("--offload-dst", default="pinned_host",
-                   choices=["pinned_host", "unpinned_host"],
-                   help="memory kind for offloaded tags (default pinned_host)")
+    a.add_argument("--offload-dst", choices=["pinned_host", "unpinned_host"],
+                   help="memory kind for offloaded tags (default pinned_host; needs "
+                        "--offload)")
     a.add_argument("--allow-offload-on-neuron", action="store_true",
                    help="offload even on a Neuron device (not documented by its compiler)")
     a.add_argument("--strict", action="store_true", help="exit 2 on dead patterns")

@@ -19,7 +19,7 @@ from . import models
 from ._format import fmt_bytes
 from ._plan import (OBJECTIVES, Choice, GroupDecision, LayerMix, NoFitError, Plan,
                     TagDecision)
-from .device import DeviceSpec, EngineRates, engine_rates
+from .device import DeviceSpec, EngineRates, as_device, engine_rates
 from .graph import PICOSECONDS, timed_graph
 from .policies import RegexPolicy
 
@@ -216,9 +216,21 @@ def plan(
     """
     _check_plan_numbers(budget_bytes, min_flops_per_byte, runner_ups, reserve)
     _check_counts(max_sets=max_sets)
-    if config is None or shape is None:
-        raise ValueError(f"plan needs a model: config={config!r}, shape={shape!r} (for a "
-                         "footprint and a byte budget, call plan_footprint)")
+    device = as_device(device, "plan(device=...)")
+    if isinstance(config, str):
+        config = models.get_model(config)
+    if config is None:
+        raise ValueError("plan needs a model: config=None; give a TransformerConfig or a "
+                         "built-in name (get_model), or call plan_footprint with a footprint "
+                         "and a byte budget")
+    if not isinstance(config, models.TransformerConfig):
+        raise TypeError(f"plan(config=...): a {type(config).__name__}; give a "
+                        "TransformerConfig or a built-in model name")
+    if not isinstance(shape, models.StepShape):
+        hint = (f" ({config.name}'s default: StepShape(seq_len={config.default_seq_len}))"
+                if config.default_seq_len else "")
+        raise ValueError(f"plan needs the step's shape: shape={shape!r}; give "
+                         f"StepShape(seq_len=...){hint}")
     if device is None:
         from .device import detect  # noqa: PLC0415
 
@@ -267,6 +279,7 @@ def plan_footprint(
     """
     _check_plan_numbers(budget_bytes, min_flops_per_byte, runner_ups, None)
     _check_counts(layers=layers, max_sets=max_sets)
+    device = as_device(device, "plan_footprint(device=...)")
     if budget_bytes is None:
         raise ValueError("plan_footprint needs budget_bytes= (what one layer may keep on one "
                          "core, its input included)")

@@ -399,7 +399,8 @@ class RegexPolicy(NamesPolicy):
             raise ValueError(
                 f"offload patterns {list(self.offload)} on a Neuron device: the Neuron "
                 "compiler does not document host offload; save or recompute instead, or "
-                "pass allow_offload_on_neuron=True to try it")
+                "pass allow_offload_on_neuron=True (neuron-remat audit: "
+                "--allow-offload-on-neuron) to try it")
 
     # The remat-policy protocol --------------------------------------------------------
 

@@ -39,8 +39,8 @@ from .detection import _CACHE, _ENV_KEYS, _LOCK, detect, looks_like_neuron
 from .facts import (CHIPS, ENGINE_RATES, INSTANCES, NEURON_FAMILIES, OTHER_FAMILIES, ChipFacts,
                     EngineRates, GiB, InstanceFacts, KiB, MiB, engine_rates)
 from .parsing import (MAX_BYTES, MAX_HBM_PER_CORE, MAX_SIZE_CHARS, MIN_HBM_PER_CORE,
-                      OVERRIDE_ENV, _parse_core_list, _show, from_instance_type, parse_bytes,
-                      parse_device)
+                      OVERRIDE_ENV, _parse_core_list, _show, as_device, from_instance_type,
+                      parse_bytes, parse_device)
 from .spec import DeviceSpec, Evidence
 
 __all__ = [
@@ -53,6 +53,7 @@ __all__ = [
     "Evidence",
     "InstanceFacts",
     "NEURON_FAMILIES",
+    "as_device",
     "detect",
     "engine_rates",
     "from_instance_type",

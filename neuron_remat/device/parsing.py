@@ -147,6 +147,9 @@ def from_instance_type(name: str, *, lnc: int | None = None) -> DeviceSpec:
     >>> from_instance_type("trn2.48xlarge").cores
     64
     """
+    if not isinstance(name, str):
+        raise TypeError(f"instance type {_show(name)} ({type(name).__name__}) is not a name; give a "
+                        f"string, one of {', '.join(sorted(INSTANCES))}")
     key = name.strip().lower()
     if key not in INSTANCES:
         raise ValueError(
@@ -156,6 +159,18 @@ def from_instance_type(name: str, *, lnc: int | None = None) -> DeviceSpec:
     lnc = _resolve_lnc(inst.family, lnc, what=f"instance {name!r}")
     return _spec(inst.family, instance=inst, lnc=lnc, source="instance_type",
                  evidence=(Evidence("instance_type", f"{key}, LNC={lnc}", True),))
+
+
+def as_device(value: DeviceSpec | str | None, where: str) -> DeviceSpec | None:
+    """A device argument as a `DeviceSpec`: a spec as it is, a string parsed
+    (`parse_device`, e.g. ``"trn2.48xlarge"`` or ``"trn2:hbm=16GiB"``), None kept (the
+    caller detects). Anything else is a TypeError naming `where` (``"fit(device=...)"``)."""
+    if value is None or isinstance(value, DeviceSpec):
+        return value
+    if isinstance(value, str):
+        return parse_device(value, source="argument")
+    raise TypeError(f"{where}: {_show(value)} ({type(value).__name__}) is not a device; give a DeviceSpec "
+                    "(detect(), parse_device(...)) or a string such as 'trn2.48xlarge'")
 
 
 def parse_device(text: str, *, source: str = "override",

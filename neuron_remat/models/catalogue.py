@@ -78,9 +78,12 @@ _ALIASES = {"fuji-7b": "fuji-7b-v3", "fuji-70b": "fuji-70b-v3", "mixtral": "mixt
 
 def get_model(name: str) -> TransformerConfig:
     """A built-in model by name (``fuji-70b`` is ``fuji-70b-v3``)."""
+    if not isinstance(name, str):
+        raise TypeError(f"model {name!r} ({type(name).__name__}) is not a name; give one of "
+                        f"{', '.join([*MODELS, *_ALIASES])}")
     key = _ALIASES.get(name.lower(), name.lower())
     if key not in MODELS:
         raise ValueError(
             f"unknown model {name!r}; built in: {', '.join([*MODELS, *_ALIASES])}; or load a "
-            "Hugging Face config.json with from_hf_config")
+            "Hugging Face config.json (from_hf_config, or --model path/to/config.json)")
     return MODELS[key]

@@ -177,8 +177,9 @@ class Parallelism:
             rest = self.tp * self.dp * self.pp
             if total % rest:
                 raise ValueError(
-                    f"fsdp=-1: tp*dp*pp={rest} does not divide the {total} cores "
-                    f"({device.cores} x {self.hosts} hosts)")  # type: ignore[union-attr]
+                    f"fsdp=-1: tp*dp*pp={rest} (tp={self.tp}, dp={self.dp}, pp={self.pp}) "
+                    f"does not divide the {total} cores ({device.cores} x {self.hosts} "  # type: ignore[union-attr]
+                    f"hosts); valid products: {_divisors(total)}")
             par = dataclasses.replace(self, fsdp=total // rest)
         if total is not None and par.degree != total:
             raise ValueError(
@@ -202,7 +203,9 @@ class Parallelism:
             raise ValueError(f"tp={self.tp} does not divide ffn={config.ffn}")
         if self.sequence_parallel and shape.seq_len % self.tp:
             raise ValueError(
-                f"sequence_parallel needs seq_len={shape.seq_len} divisible by tp={self.tp}")
+                f"sequence_parallel needs seq_len={shape.seq_len} divisible by tp={self.tp}; "
+                "choose such a tp or turn sequence parallelism off (sequence_parallel=False, "
+                "--no-sequence-parallel)")
         if config.layers % self.pp:
             raise ValueError(
                 f"pp={self.pp} does not divide layers={config.layers}; valid pp: "

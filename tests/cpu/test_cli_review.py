@@ -1,0 +1,132 @@
+"""What a new user ran into (a review of the CLI and the API by hand), each now one line
+that names the value and what is valid: `--plot` that cannot be written (before any plan,
+so `--json` prints one document), flags that apply only beside another, a `fit` target whose
+step fails to trace, errors that name the CLI's flag, and the API's device and model
+arguments given as strings or as the wrong type. `main(argv)` in-process."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+import neuron_remat as nr
+from neuron_remat import device as dev
+from neuron_remat.cli import main
+
+PLAN = ["plan", "--model", "llama3-8b", "--device", "trn2.48xlarge:hbm=8GiB"]
+
+
+@pytest.fixture(autouse=True)
+def _no_override(monkeypatch):
+    monkeypatch.delenv(dev.OVERRIDE_ENV, raising=False)
+    for var in ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _one_line_error(argv, capsys, *, as_json=False) -> str:
+    rc = main([*argv, *(["--json"] if as_json else [])])
+    out, err = capsys.readouterr()
+    assert rc == 2, (rc, out, err)
+    if as_json:
+        return json.loads(out)["error"]  # one document: json.loads refuses a second
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_plot_that_cannot_be_written_is_refused_before_planning(tmp_path, capsys, as_json):
+    taken = tmp_path / "plot.png"
+    taken.mkdir()  # a writable folder, but the name is a folder: open() fails
+    path = str(taken)
+    msg = _one_line_error([*PLAN, "--plot", path], capsys, as_json=as_json)
+    assert msg.startswith("error: --plot" if not as_json else "--plot") and path in msg
+
+
+def test_plot_check_leaves_no_file_behind(tmp_path):
+    from neuron_remat import cli
+
+    path = tmp_path / "m.pdf"
+    cli._check_plot_path(str(path))
+    assert not path.exists()
+    path.write_bytes(b"kept")  # a file that was there stays as it was
+    cli._check_plot_path(str(path))
+    assert path.read_bytes() == b"kept"
+
+
+def test_empty_plot_name_is_refused(capsys):
+    assert "--plot ''" in _one_line_error([*PLAN, "--plot", ""], capsys)
+
+
+@pytest.mark.parametrize("argv,flag", [
+    ([*PLAN, "--schedule", "gpipe"], "--schedule gpipe"),
+    (["audit", "examples.flax_demo:factory", "--offload-dst", "unpinned_host"],
+     "--offload-dst"),
+    (["audit", "examples.flax_demo:factory", "--allow-offload-on-neuron"],
+     "--allow-offload-on-neuron"),
+])
+def test_a_flag_that_needs_another_is_refused(argv, flag, capsys):
+    msg = _one_line_error(argv, capsys)
+    assert flag in msg and "drop" in msg
+
+
+def test_max_sets_error_lists_none(capsys):
+    msg = _one_line_error([*PLAN, "--per-layer", "--max-sets", "foo"], capsys)
+    assert "or none" in msg
+
+
+def test_errors_name_the_flag_to_change(capsys):
+    msg = _one_line_error(["plan", "--model", "llama3-8b", "--device",
+                           "trn2.48xlarge:hbm=8GiB:cores=1"], capsys)
+    assert "tp=4" in msg and "valid products: 1" in msg
+    msg = _one_line_error([*PLAN, "--seq-len", "2"], capsys)
+    assert "--no-sequence-parallel" in msg
+    msg = _one_line_error(["plan", "--model", "nosuch"], capsys)
+    assert "--model path/to/config.json" in msg
+
+
+def test_fit_target_whose_step_fails_to_trace_names_the_target(tmp_path, monkeypatch,
+                                                                capsys):
+    (tmp_path / "badstep.py").write_text(textwrap.dedent("""
+        import jax, jax.numpy as jnp
+        def layer(x, params):
+            return x @ params
+        def factory():  # returns (layer, args), not (make_step, args)
+            return layer, (jax.ShapeDtypeStruct((4, 4), jnp.float32),)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("badstep", None)
+    msg = _one_line_error(["fit", "badstep:factory", "--device",
+                           "trn2.48xlarge:hbm=64MiB:cores=1"], capsys)
+    assert "fit target 'badstep:factory'" in msg and "raised TypeError when traced" in msg
+
+
+def test_offload_on_neuron_names_the_cli_flag(monkeypatch):
+    monkeypatch.setenv(dev.OVERRIDE_ENV, "trn2")
+    with pytest.raises(ValueError, match="--allow-offload-on-neuron"):
+        nr.RegexPolicy([], ["x"], offload_src="device", offload_dst="pinned_host")
+
+
+def test_api_takes_a_device_string_and_a_model_name():
+    shape = nr.StepShape(seq_len=4096)
+    spec = nr.parse_device("trn2.48xlarge:hbm=8GiB")
+    by_string = nr.plan("trn2.48xlarge:hbm=8GiB", "llama3-8b", shape,
+                        nr.Parallelism(tp=4, fsdp=-1))
+    by_objects = nr.plan(spec, nr.get_model("llama3-8b"), shape, nr.Parallelism(tp=4, fsdp=-1))
+    assert by_string.saved_tags == by_objects.saved_tags
+    assert by_string.budget_bytes_per_layer == by_objects.budget_bytes_per_layer
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: nr.from_instance_type(None), r"instance type None \(NoneType\) is not a name"),
+    (lambda: nr.get_model(3), r"model 3 \(int\) is not a name"),
+    (lambda: nr.plan(3, "llama3-8b", nr.StepShape(seq_len=8)), r"plan\(device=...\): 3"),
+    (lambda: nr.plan(None, "llama3-8b"), r"shape=None; give StepShape\(seq_len=...\) "
+                                         r"\(llama3-8b's default"),
+])
+def test_api_wrong_types_are_one_line(call, match):
+    with pytest.raises((TypeError, ValueError), match=match) as err:
+        call()
+    assert "\n" not in str(err.value)
