@@ -110,8 +110,9 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
     `traced_footprint`; `activation_argnums` overrides); the other arguments are parameters,
     whose kept bytes are reported apart. Arguments take the forms `traced_footprint`
     takes (keywords, static Python values, integer, boolean and key arrays). A function
-    that fails to trace with these arguments raises `LayerError`. When no single argument
-    matches (`fn` is a loss, not a layer), every argument counts as an input. With
+    that fails to trace with these arguments raises `LayerError`. When no argument
+    matches (`fn` is a loss, not a layer), every argument counts as an input; when several
+    do, the call is ambiguous (a ValueError naming them: pass `activation_argnums`). With
     ``strict=True`` a dead pattern raises `DeadPatternError`.
     """
     if not isinstance(policy, RegexPolicy):
@@ -128,8 +129,8 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
     fn, args, kwargs = call.fn, call.args, {}
     try:
         acts = _jaxpr.resolve_activation_argnums(fn, args, kwargs, activation_argnums)
-    except ValueError:
-        if activation_argnums is not None:
+    except ValueError as err:
+        if activation_argnums is not None or isinstance(err, _jaxpr.AmbiguousInputError):
             raise
         # Not a layer (a loss, a function with several outputs): no argument is the layer
         # input, so every argument JAX keeps is reported as an input, as JAX sees it.

@@ -445,6 +445,11 @@ def _signature(tree: Any) -> tuple[Any, list[tuple[tuple[int, ...], str]]]:
     return struct, [(tuple(np.shape(leaf)), _dtype_name(_leaf_dtype(leaf))) for leaf in leaves]
 
 
+class AmbiguousInputError(ValueError):
+    """Several arguments match the layer's output: which is the layer input is the
+    caller's to say (``activation_argnums``)."""
+
+
 def activation_argnums(fn: Callable[..., Any], args: Sequence[Any],
                        kwargs: dict[str, Any] | None = None) -> tuple[int, ...]:
     """The positional argument that is the layer input: the one whose pytree structure,
@@ -466,7 +471,7 @@ def activation_argnums(fn: Callable[..., Any], args: Sequence[Any],
             f"cannot tell which argument is the layer input: none matches the output "
             f"({want[0]} with shapes {shapes}); arguments are {described}. Pass "
             "activation_argnums=(i,) naming the layer input (the scan carry)")
-    raise ValueError(
+    raise AmbiguousInputError(
         f"cannot tell which argument is the layer input: arguments {found} all match the "
         f"output ({want[0]} with shapes {shapes}). Pass activation_argnums=(i,) naming the "
         "layer input (the scan carry)")

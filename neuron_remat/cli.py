@@ -401,6 +401,7 @@ def _load_factory(spec: str) -> Any:
 def _cmd_audit(args: argparse.Namespace) -> int:
     from . import policies  # noqa: PLC0415 - JAX: only for the commands that trace
     from ._audit import LayerError, audit as run_audit  # noqa: PLC0415
+    from ._jaxpr import AmbiguousInputError  # noqa: PLC0415
 
     if args.policy and (args.save or args.offload):
         raise UsageError("give --policy or --save/--offload, not both")
@@ -419,9 +420,13 @@ def _cmd_audit(args: argparse.Namespace) -> int:
                                       allow_offload_on_neuron=args.allow_offload_on_neuron)
     fn, fargs = _load_factory(args.target)
     try:
-        report = run_audit(fn, *fargs, policy=policy)
+        report = run_audit(fn, *fargs, policy=policy,
+                           activation_argnums=args.activation_argnums)
     except LayerError as err:  # the user's function failed to trace (a bug of ours is not)
         raise UsageError(f"auditing {args.target}: {err}") from err
+    except AmbiguousInputError as err:
+        raise UsageError(f"auditing {args.target}: {err} (from the shell: "
+                         "--activation-argnums I)") from err
     if args.json:
         _print_json(report.to_dict())
     else:
@@ -612,6 +617,10 @@ def _parser() -> argparse.ArgumentParser:
                         "--offload)")
     a.add_argument("--allow-offload-on-neuron", action="store_true",
                    help="offload even on a Neuron device (not documented by its compiler)")
+    a.add_argument("--activation-argnums", nargs="+", metavar="I",
+                   type=_count(0, what="an argument position"),
+                   help="the positions of the layer input among the target's args (when "
+                        "several match the output)")
     a.add_argument("--strict", action="store_true", help="exit 2 on dead patterns")
     a.add_argument("--json", action="store_true", help="print JSON")
     a.set_defaults(run=_cmd_audit)

@@ -130,3 +130,30 @@ def test_api_wrong_types_are_one_line(call, match):
     with pytest.raises((TypeError, ValueError), match=match) as err:
         call()
     assert "\n" not in str(err.value)
+
+
+def test_an_ambiguous_audit_is_an_error_naming_the_candidates(tmp_path, monkeypatch, capsys):
+    """Both arguments match the output: audit, like traced_footprint, asks which is the
+    layer input (the README's contract), and --activation-argnums answers."""
+    (tmp_path / "twin.py").write_text(textwrap.dedent("""
+        import jax.numpy as jnp
+        from jax.ad_checkpoint import checkpoint_name
+        def f(x, y):
+            return x + checkpoint_name(jnp.tanh(x * y), "a")
+        def factory():
+            return f, (jnp.ones((4, 4)), jnp.ones((4, 4)))
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("twin", None)
+    import twin
+
+    fn, args = twin.factory()
+    with pytest.raises(ValueError, match=r"arguments \[0, 1\] all match"):
+        nr.audit(fn, *args, policy=nr.RegexPolicy(["a"]))
+    with pytest.raises(ValueError, match=r"arguments \[0, 1\] all match"):
+        nr.traced_footprint(fn, *args)
+    msg = _one_line_error(["audit", "twin:factory", "--save", "a"], capsys)
+    assert "[0, 1] all match" in msg and "--activation-argnums" in msg
+    assert main(["audit", "twin:factory", "--save", "a", "--activation-argnums", "1",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["activation_argnums"] == [1]
