@@ -617,8 +617,12 @@ def _no_fit_message(full_kept: int, per_layer: int, bud: mm.Budget | None,
     hints = []
     if bud is not None and bud.state.total_bytes > bud.hbm_bytes // 2:
         hints.append("shard the model state further (more fsdp, tp or hosts, or zero1)")
-    if par is not None and config is not None and config.heads % (par.tp * 2) == 0:
-        hints.append(f"raise tp (tp={par.tp * 2} divides heads={config.heads})")
+    # doubling tp takes cores from fsdp x dp: only where those have two to give
+    spare = par.fsdp * par.dp if par is not None and par.fsdp > 0 else 0
+    if par is not None and config is not None and config.heads % (par.tp * 2) == 0 \
+            and spare % 2 == 0 and spare >= 2:
+        hints.append(f"raise tp (tp={par.tp * 2} divides heads={config.heads}, with "
+                     f"fsdp x dp = {spare // 2})")
     if par is not None and not par.sequence_parallel and par.tp > 1:
         hints.append("turn on sequence parallelism")
     if shape is not None and shape.micro_batch > 1:

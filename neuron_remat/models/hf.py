@@ -182,6 +182,10 @@ def _check_modelled(cfg: Mapping[str, Any], source: str, model_type: str,
         hint = (" (to plan its text decoder alone: --text-only on the command line, "
                 "text_only=True in Python)" if isinstance(text, Mapping) else "")
         return _raise(_refuse(source, what + hint))
+    if text_only:
+        raise ValueError(f"{source}: text_only (--text-only) applies to a multimodal config "
+                         f"with a text_config; model_type {model_type or '(none)'!r} is "
+                         "text only already: drop it")
     return None
 
 
@@ -277,7 +281,6 @@ def _from_hf_config(cfg: Mapping[str, Any], name: str | None, source: str, text_
                           f"family and has keys it does not know ({shown}); known families: "
                           f"{', '.join(_FAMILIES)}")
         family = {}
-        _warn_once_per_type(model_type, source)
     structural = sorted(k for k in cfg if _STRUCTURE_KEYS.search(k))
     if structural and "moe" not in family and not family.get("mla"):
         raise _refuse(source, f"model_type {model_type!r} is dense, but the config has "
@@ -314,7 +317,10 @@ def _from_hf_config(cfg: Mapping[str, Any], name: str | None, source: str, text_
     if mla is not None:
         kw["head_dim"] = None  # MLA's per-head q/k width is nope + rope
     kw.update(overrides)
-    return TransformerConfig(**kw)
+    config = TransformerConfig(**kw)
+    if model_type not in _FAMILIES:  # said once the config is valid, not before its error
+        _warn_once_per_type(model_type, source)
+    return config
 
 
 _WARNED_TYPES: set[str] = set()

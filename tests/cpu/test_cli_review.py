@@ -157,3 +157,23 @@ def test_an_ambiguous_audit_is_an_error_naming_the_candidates(tmp_path, monkeypa
     assert main(["audit", "twin:factory", "--save", "a", "--activation-argnums", "1",
                  "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["activation_argnums"] == [1]
+
+
+def test_text_only_on_a_text_config_is_refused(tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2,
+                                "hidden_size": 64, "num_attention_heads": 4,
+                                "intermediate_size": 128, "vocab_size": 256}))
+    msg = _one_line_error(["plan", "--model", str(path), "--text-only"], capsys)
+    assert "text only already" in msg and "--text-only" in msg
+
+
+def test_an_invalid_unknown_config_gives_its_error_alone(tmp_path, capsys, caplog):
+    """A config.json of an unknown family that is also invalid: its error, without the
+    warning that the family is planned as Llama-like (said only of a config that loads)."""
+    path = tmp_path / "config.json"
+    path.write_text("{}")
+    with caplog.at_level("WARNING"):
+        msg = _one_line_error(["plan", "--model", str(path)], capsys)
+    assert "lacks num_hidden_layers" in msg
+    assert not [r for r in caplog.records if "Llama-like" in r.getMessage()]

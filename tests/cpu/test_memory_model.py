@@ -311,6 +311,17 @@ def test_no_fit_names_the_numbers_and_what_to_change():
         assert piece in text
 
 
+def test_no_fit_advises_a_tp_only_where_the_cores_allow_it():
+    """One trn2 chip at LNC=1 has 8 cores: tp=8 leaves fsdp x dp = 1, so tp=16 (which
+    divides fuji-70b's 64 heads) cannot be had there and is not advised."""
+    device = nr.parse_device("trn2:lnc=1")
+    assert device.cores == 8
+    with pytest.raises(planner.NoFitError) as err:
+        nr.plan(device, nr.get_model("fuji-70b"), nr.StepShape(seq_len=8192),
+                nr.Parallelism(tp=8, fsdp=-1, sequence_parallel=True))
+    assert "raise tp" not in str(err.value) and "To fit:" in str(err.value)
+
+
 def test_pipeline_stages_hold_micro_batches_in_flight():
     device = nr.from_instance_type("trn2.48xlarge")
     shape = nr.StepShape(seq_len=2048)
