@@ -317,7 +317,7 @@ def _provide_logged(layer: str | None, stack: str, model: Any, tags: Any, shape:
     except Exception as err:  # noqa: BLE001
         if _flag(STRICT_ENV):
             raise
-        _warn_once(("provide", type(err).__name__, str(err)),
+        _warn_once(("provide", type(err).__name__, *getattr(err, "cause", (str(err),))),
                    "neuron_remat could not choose a remat policy for %s (%s: %s); the "
                    "host's default policy stands", layer or "this layer",
                    type(err).__name__, err)
@@ -336,14 +336,25 @@ def _vocabulary(tags: Any) -> tuple[models.TagNames | None, list[str] | None]:
     return None, names
 
 
+class _Refusal(ValueError):
+    """A provider's refusal whose message names per-layer details (the host's tags, the
+    layer's number); `cause` is what it is about, so that it is warned of once, not once
+    per layer."""
+
+    def __init__(self, message: str, cause: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
 def _check_names(policy: policies.RegexPolicy, names: list[str] | None) -> None:
     if names is None:
         return
     dead = list(policy.dead_patterns(names))
     if dead:
-        raise ValueError(
+        raise _Refusal(
             f"patterns {dead} match none of the tags the host emits ({names}); tell the "
-            "provider the host's vocabulary (tags='axlearn', 'maxtext' or a TagNames)")
+            "provider the host's vocabulary (tags='axlearn', 'maxtext' or a TagNames)",
+            cause=("dead patterns", *dead))
 
 
 def _provide(layer: str | None, stack: str, model: Any, tags: Any, shape: Any,
@@ -391,8 +402,8 @@ def _provide_layer(layer: str | None, cse: bool, config: models.TransformerConfi
     chosen = _per_layer_plan(device, config, step, par)
     n = chosen.layers_per_core
     if index >= n:
-        raise ValueError(f"layer_index={index} is past the {n} layers per core of "
-                         f"{config.name}")
+        raise _Refusal(f"layer_index={index} is past the {n} layers per core of "
+                       f"{config.name}", cause=("layer_index past", str(n), config.name))
     policy = chosen.layer_policies[index] if chosen.layer_policies else chosen.policy
     _check_names(policy, names)
     return RematChoice(policy, cse, PROVIDER_NAME,

@@ -39,6 +39,7 @@ from typing import Any
 
 from .. import planner
 from ..device import DeviceSpec, detect, from_instance_type
+from .. import multihost, plugin
 from ..plugin import resolve_policy
 from .. import policies
 from ..policies import RegexPolicy
@@ -301,27 +302,41 @@ def _define_modifier(config_modifier: Any, config_class: Any, config_for_functio
                 reserve: HBM held back, a fraction (float) or bytes (int); None: 10% plus
                     the Neuron runtime's share.
                 strict: raise when the plan cannot be made (an unreadable field, no fit);
-                    False logs one warning and leaves remat_spec as it is.
+                    False logs one warning and leaves remat_spec as it is; None (the
+                    default) follows ``NEURON_REMAT_STRICT`` (off unless set).
                 stack_path: the transformer stack in the trainer config.
             """
 
             instance_type: str | None = None
             hosts: int | None = None
             reserve: float | None = None
-            strict: bool = True
+            strict: bool | None = None
             stack_path: str = STACK_PATH
 
         def __call__(self, cfg: Any) -> Any:
             c = self.config
+            if plugin._flag(plugin.DISABLE_ENV):  # noqa: SLF001 - the plugin's own switch
+                logger.info("neuron_remat: %s is set; remat_spec left as it is",
+                            plugin.DISABLE_ENV)
+                return cfg
+            strict = plugin._flag(plugin.STRICT_ENV) if c.strict is None else c.strict  # noqa: SLF001
             try:
                 result = plan_trainer(cfg, instance_type=c.instance_type, hosts=c.hosts,
                                       reserve=c.reserve, stack_path=c.stack_path)
             except Exception as err:
-                if c.strict:
+                if strict:
                     raise
-                logger.warning("neuron_remat: no remat plan (%s: %s); remat_spec left as it "
-                               "is", type(err).__name__, err)
-                return cfg
+                plugin._warn_once(  # noqa: SLF001 - one warning per cause, as the plugin's
+                    ("axlearn modifier", type(err).__name__, str(err)),
+                    "neuron_remat: no remat plan (%s: %s); remat_spec left as it is",
+                    type(err).__name__, err)
+                result = None
+            # every process must leave the stack the same way: planned alike, or all left
+            multihost.agree(None if result is None else result.plan.policy,
+                            None if result is None else result.settings.prevent_cse,
+                            what=f"{c.stack_path} (remat_plan_modifier)",
+                            context={"stack_path": c.stack_path,
+                                     "instance_type": c.instance_type})
             self.last_plan = result
             if result is None:
                 return cfg
@@ -345,7 +360,8 @@ def remat_plan_modifier(**options: Any) -> Any:
     """The config of a ``RematPlanModifier``: an axlearn ``ConfigModifier`` that plans
     ``remat_spec`` from the trainer config it is applied to. Put it LAST in a mesh rule's
     ``ChainConfigModifier``. `options` are its config fields: ``instance_type``,
-    ``hosts``, ``reserve``, ``strict`` (default True), ``stack_path``. Raises ImportError
+    ``hosts``, ``reserve``, ``strict`` (default None: ``NEURON_REMAT_STRICT``, off unless
+    set), ``stack_path``. Raises ImportError
     when axlearn is not importable."""
     return _modifier_class().default_config().set(**options)
 
@@ -371,15 +387,29 @@ def modify(trainer_cfg: Any, *, spec_factory: Callable[..., Any] | None = None,
     Without ``model=`` in `context`, the model, step and split are read from the config
     (`describe_trainer`; ``device=`` and ``hosts=`` may be given, else detected and JAX's
     process count) and the emitted tag names are passed as ``tags``. The config is returned
-    unchanged when the stack is pipelined, the device is not Neuron (when reading), or no
-    provider answered. `spec_factory(stack_class, **context)` defaults to `remat_spec`."""
+    unchanged when the stack is pipelined, the device is not Neuron (when reading), no
+    provider answered, ``NEURON_REMAT_DISABLE`` is set, or the device or the config cannot
+    be read (one warning; raised under ``NEURON_REMAT_STRICT``).
+    `spec_factory(stack_class, **context)` defaults to `remat_spec`."""
+    if plugin._flag(plugin.DISABLE_ENV):  # noqa: SLF001 - the plugin's own switch
+        return trainer_cfg
     stack = _get(trainer_cfg, STACK_PATH)
     if "model" not in context:
-        device = context.pop("device", None) or detect()
-        hosts = context.pop("hosts", None)
-        if not device.is_neuron or stack_kind(stack.klass) == "pipelined":
+        try:
+            device = context.pop("device", None) or detect()
+            hosts = context.pop("hosts", None)
+            if not device.is_neuron or stack_kind(stack.klass) == "pipelined":
+                return trainer_cfg
+            desc = describe_trainer(trainer_cfg, device=device,
+                                    hosts=hosts or _process_count())
+        except Exception as err:
+            if plugin._flag(plugin.STRICT_ENV):  # noqa: SLF001
+                raise
+            plugin._warn_once(  # noqa: SLF001
+                ("axlearn modify", type(err).__name__, str(err)),
+                "neuron_remat: cannot read the trainer config for a remat plan (%s: %s); "
+                "remat_spec left as it is", type(err).__name__, err)
             return trainer_cfg
-        desc = describe_trainer(trainer_cfg, device=device, hosts=hosts or _process_count())
         context = {"model": desc.config, "shape": desc.shape, "parallelism": desc.parallelism,
                    "tags": list(desc.emitted), "device": device, **context}
     spec = (spec_factory or remat_spec)(stack.klass, **context)

@@ -90,7 +90,7 @@ def test_the_modifier_is_a_config_modifier_of_the_axlearn_it_finds(axlearn):
     assert (cfg.klass.__module__, cfg.klass.__qualname__) == (
         "neuron_remat.adapters.axlearn", "RematPlanModifier")
     assert (cfg.instance_type, cfg.hosts, cfg.reserve, cfg.strict, cfg.stack_path) == (
-        "trn2.48xlarge", None, None, True, "model.decoder.transformer")
+        "trn2.48xlarge", None, None, None, "model.decoder.transformer")
     with pytest.raises(AttributeError, match="instnce_type"):
         ax.remat_plan_modifier(instnce_type="trn2.48xlarge")
 
@@ -153,14 +153,14 @@ def test_fuji_70b_last_in_the_trn2_rule_replaces_the_pr_898_spec(axlearn, trn2):
 
 def test_fuji_70b_on_one_host_does_not_fit_and_says_so(axlearn, trn2):
     with pytest.raises(nr.NoFitError, match="To fit: .*shard the model state further"):
-        _launch("70B", ax.remat_plan_modifier())  # hosts: JAX's process count, 1
+        _launch("70B", ax.remat_plan_modifier(strict=True))  # hosts: JAX's process count
 
 
 def test_fuji_70b_without_flash_does_not_fit_and_names_axlearns_knobs(axlearn, trn2):
     # README: plain fuji-70B-v3 on the TRN2 rule: the float32 seq x seq scores of native
     # attention need a 24.08 GiB workspace per core, more than the 24 GiB of HBM.
     with pytest.raises(nr.NoFitError) as err:
-        _launch("70B", ax.remat_plan_modifier(hosts=64), flash=False)
+        _launch("70B", ax.remat_plan_modifier(hosts=64, strict=True), flash=False)
     text = str(err.value)
     assert "workspace 24.08 GiB" in text
     knobs = text.split("In axlearn's terms: ")[1]
@@ -174,9 +174,29 @@ def test_fuji_70b_without_flash_does_not_fit_and_names_axlearns_knobs(axlearn, t
 def test_not_strict_keeps_the_rules_spec_and_warns_once(axlearn, trn2, caplog):
     with caplog.at_level(logging.WARNING, logger="neuron_remat"):
         cfg = _launch("70B", ax.remat_plan_modifier(strict=False))
+        again = _launch("70B", ax.remat_plan_modifier(strict=False))
     assert _spec(cfg).policy.names_which_can_be_saved == PR_898
+    assert _spec(again).policy.names_which_can_be_saved == PR_898
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "NoFitError" in warnings[0].getMessage()
+
+
+def test_by_default_the_modifier_falls_back_unless_strict_is_asked(axlearn, trn2,
+                                                                   monkeypatch):
+    """A host never crashes because the plan could not be made, unless the user asked
+    (``strict=True`` or ``NEURON_REMAT_STRICT``); ``NEURON_REMAT_DISABLE`` leaves the
+    config alone."""
+    cfg = _launch("70B", ax.remat_plan_modifier())  # does not fit on one host
+    assert _spec(cfg).policy.names_which_can_be_saved == PR_898
+    monkeypatch.setenv("NEURON_REMAT_STRICT", "1")
+    with pytest.raises(nr.NoFitError):
+        _launch("70B", ax.remat_plan_modifier())
+    assert _spec(_launch("70B", ax.remat_plan_modifier(strict=False))
+                 ).policy.names_which_can_be_saved == PR_898
+    monkeypatch.delenv("NEURON_REMAT_STRICT")
+    monkeypatch.setenv("NEURON_REMAT_DISABLE", "1")
+    cfg = _launch("70B", ax.remat_plan_modifier(hosts=64))  # would plan without the switch
+    assert _spec(cfg).policy.names_which_can_be_saved == PR_898
 
 
 @pytest.mark.skipif(not fx.REAL, reason="needs a real axlearn (see README, axlearn)")
@@ -469,6 +489,24 @@ def test_modify_after_the_mesh_rule_reads_the_config(axlearn, trn2):
     assert _policy_kwargs(_spec(cfg)) == expected.settings.policy_kwargs
 
 
+def test_modify_falls_back_on_what_it_cannot_read(axlearn, monkeypatch, caplog):
+    """modify() leaves the config as it is, with one warning, when the device cannot be
+    read; under NEURON_REMAT_STRICT it raises; NEURON_REMAT_DISABLE leaves it alone."""
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn9")
+    before = _policy_kwargs(_spec(_launch("7B", None, single_host=True)))
+    with caplog.at_level(logging.WARNING, logger="neuron_remat"):
+        for _ in range(2):
+            cfg = ax.modify(_launch("7B", None, single_host=True))
+            assert _policy_kwargs(_spec(cfg)) == before
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "trn9" in warnings[0].getMessage()
+    monkeypatch.setenv("NEURON_REMAT_STRICT", "1")
+    with pytest.raises(ValueError, match="trn9"):
+        ax.modify(_launch("7B", None, single_host=True))
+    monkeypatch.setenv("NEURON_REMAT_DISABLE", "1")
+    assert _policy_kwargs(_spec(ax.modify(_launch("7B", None, single_host=True)))) == before
+
+
 # --- no arguments in a real multi-process job -----------------------------------------------
 
 _JOB = r"""
@@ -526,6 +564,59 @@ def test_fuji_70b_in_a_two_process_job_plans_with_no_arguments(tmp_path):
     planned = nr.plan(TRN2, nr.get_model("fuji-70b-v3"), nr.StepShape(seq_len=8192),
                       nr.Parallelism(tp=4, sequence_parallel=True, fsdp=-1, hosts=2))
     assert got["saved"] == planned.policy.save_regex != PR_898
+
+
+_MISMATCH_JOB = r"""
+import os, sys
+if sys.argv[1] == "1":
+    os.environ["NEURON_RT_VISIBLE_CORES"] = "0-31"  # this host sees half the cores
+import jax
+jax.distributed.initialize(coordinator_address=os.environ["COORD"], num_processes=2,
+                           process_id=int(sys.argv[1]), initialization_timeout=60)
+sys.path.insert(0, os.environ["FIXTURES"])
+import axlearn_fixtures as fx
+from neuron_remat.adapters import axlearn as ax
+with fx.on_path():
+    try:
+        fx.launched(fx.fuji("7B", single_host=True, plan=ax.remat_plan_modifier(strict=False)))
+    except Exception as err:
+        print(type(err).__name__)
+        raise SystemExit(0)
+print("no error")
+"""
+
+
+def test_hosts_that_would_leave_the_stack_differently_are_stopped(tmp_path):
+    """Two processes, one seeing half the cores: one plans, the other cannot read the
+    config for its device and keeps the rule's spec (not strict). Left so, the two would
+    compile different programs; the modifier's agreement check stops both."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "job.py"
+    script.write_text(_MISMATCH_JOB)
+    env = {**os.environ, "COORD": f"127.0.0.1:{port}", "NEURON_REMAT_DEVICE": "trn2.48xlarge",
+           "FIXTURES": str(fx.STUB.parent), "JAX_PLATFORMS": "cpu",
+           "NEURON_REMAT_AGREEMENT_TIMEOUT": "60"}
+    procs = [subprocess.Popen([sys.executable, str(script), str(i)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert p.returncode == 0, err[-2000:]
+        outs.append(out.strip().splitlines()[-1])
+    assert outs == ["PolicyMismatchError", "PolicyMismatchError"], outs
 
 
 @pytest.mark.skipif(not hasattr(jax.config, "jax_remat3"), reason="JAX has no jax_remat3")

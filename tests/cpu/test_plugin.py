@@ -114,6 +114,24 @@ def test_failures_warn_once_and_the_default_stands(monkeypatch, caplog):
     assert "default policy stands" in warnings[0].getMessage()
 
 
+def test_a_refusal_naming_each_layer_warns_once(monkeypatch, caplog):
+    """Once per cause, whatever the number of layers: refusals whose message names the
+    layer (its number, its tag names) are one cause."""
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2.48xlarge")
+    caplog.set_level(logging.WARNING, logger="neuron_remat")
+    common = dict(model="fuji-7b-v3", shape={"seq_len": 4096}, stack="stacked")
+    for i in range(4):  # the dead patterns are the same; the names differ per layer
+        assert plugin.provide(layer=f"layers_{i}", parallelism={"tp": 4, "fsdp": -1},
+                              tags=[f"layers_{i}.q_proj", f"layers_{i}.o_proj"],
+                              **common) is None
+    for i in range(30, 34):  # past the 16 layers per core of 2 pipeline stages
+        assert plugin.provide(layer=f"layer{i}", layer_index=i,
+                              parallelism={"tp": 4, "fsdp": -1, "pp": 2}, **common) is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert "match none of the tags" in warnings[0] and "is past the" in warnings[1]
+
+
 def test_a_model_that_cannot_fit_falls_back(monkeypatch, caplog):
     monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2:hbm=1GiB")
     caplog.set_level(logging.WARNING, logger="neuron_remat")
