@@ -113,6 +113,10 @@ def test_modify_sets_the_layer_remat_spec_from_the_final_stack_class(monkeypatch
     # reading a real config is tested in test_axlearn_modifier.py).
     assert ax.modify(_trainer(PipelinedTransformerLayer)).model.decoder.transformer.layer \
         .remat_spec == "host default"
+    # An unreadable config leaves the spec as it is (one warning), unless strict.
+    assert ax.modify(_trainer(StackedTransformerLayer), spec_factory=spec).model.decoder \
+        .transformer.layer.remat_spec == "host default"
+    monkeypatch.setenv("NEURON_REMAT_STRICT", "1")
     with pytest.raises(ax.ConfigReadError,
                        match=r"transformer\.layer\.klass = None: expected a layer class"):
         ax.modify(_trainer(StackedTransformerLayer), spec_factory=spec)
