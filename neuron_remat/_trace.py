@@ -71,6 +71,19 @@ def _inner(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
     return None
 
 
+def _tangent_update_reads(body: Any, nc: int, nk: int, carry_unk: Sequence[bool],
+                          ins_unk: Sequence[bool]) -> bool:
+    """Whether a scan body's unknown (tangent) carries are updated from unknown consts
+    or scanned inputs: the layer's differentiated weights or inputs feed the loop."""
+    need = {v for v, u in zip(body.outvars[:nk], carry_unk)
+            if u and not isinstance(v, jc.Literal)}
+    for e in reversed(body.eqns):
+        if any(o in need for o in e.outvars):
+            need.update(a for a in e.invars if not isinstance(a, jc.Literal))
+    return any(v in need and ins_unk[i] for i, v in enumerate(body.invars)
+               if not nc <= i < nc + nk)
+
+
 def _body_flops(jaxpr: Any) -> int:
     return sum(eqn_flops(e) * m for e, m in _walk(jaxpr))
 
@@ -122,6 +135,14 @@ class Built:
     tags: dict[str, TagInfo] = field(default_factory=dict)
     hidden: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    unmodelled: list[str] = field(default_factory=list)  # why `graph` is not the program's
+
+    def checked(self) -> LayerGraph:
+        """The graph, or `UnsupportedPrimitiveError` where part of the program is not
+        modelled (the tags are still read: `emitted_tags`)."""
+        if self.unmodelled:
+            raise UnsupportedPrimitiveError(self.unmodelled[0])
+        return self.graph
 
 
 def jaxpr_graph(jaxpr: Any, *, unknown: Sequence[bool],
@@ -154,7 +175,7 @@ def jaxpr_graph(jaxpr: Any, *, unknown: Sequence[bool],
     is part of that op. Any other primitive holding a jaxpr raises
     `UnsupportedPrimitiveError`.
     """
-    return _build(jaxpr, unknown, activation).graph
+    return _build(jaxpr, unknown, activation).checked()
 
 
 def _build(jaxpr: Any, unknown: Sequence[bool],
@@ -177,6 +198,7 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
     tags: dict[str, TagInfo] = {}
     hidden: dict[str, str] = {}
     notes: list[str] = []
+    unmodelled: list[str] = []
     counter = [0]
 
     def fresh(aval: Any, lead: tuple[int, ...], prefix: str = "v", role: str | None = None,
@@ -267,7 +289,9 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
         # the carry chain from its initial value (the carry update is no saveable name).
         # So each iteration's carry is a value recomputed from the initial carry and what
         # the update reads, at the update's work times the length.
-        need = {v for v in body.outvars[:nk] if not isinstance(v, jc.Literal)}
+        # Only the known carries: an unknown (tangent) carry's update is the backward's.
+        need = {v for v, u in zip(body.outvars[:nk], carry_unk)
+                if not u and not isinstance(v, jc.Literal)}
         chain = 0
         for e in reversed(body.eqns):
             if any(o in need for o in e.outvars):
@@ -276,6 +300,16 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
                                             for s, m in _walk(sub, mm))
         update_reads = [n for i, (v, n) in enumerate(zip(body.invars, ins))
                         if v in need and not nc <= i < nc + nk and n is not None]
+        if _tangent_update_reads(body, nc, nk, carry_unk, [n in unk for n in ins]):
+            # The tangent carry is updated from the layer's differentiated weights or
+            # inputs (an RNN, a loop of sub-blocks, an accumulator of the input): JAX keeps
+            # the iterations' values its policy saves, stacked, which this graph does not
+            # model. The tags are still read (`emitted_tags`).
+            unmodelled.append(
+                f"a scan of length {length} inside the layer carries a differentiated value "
+                "updated from the layer's inputs or weights: its per-iteration residuals are "
+                "not modelled; audit(layer, *args, policy=...) reports what JAX keeps under "
+                "a given policy, or plan the scanned block as the layer")
         body_ins: list[str | None] = list(ins[:nc])
         first = True
         for v, u, init in zip(body.invars[nc:nc + nk], carry_unk, ins[nc:nc + nk]):
@@ -283,6 +317,8 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
                 name = f"dc{counter[0]}"
                 counter[0] += 1
                 unk.add(name)
+                if init is not None and init in unk:  # the tangent carry starts from it
+                    staged.append(([init], [], [name]))
             else:
                 name = fresh(v.aval, inner_lead, "carry")
                 srcs = ((init,) if init is not None else ()) + tuple(update_reads)
@@ -399,7 +435,7 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
     graph = LayerGraph(values=values, ops=tuple(ops), inputs=tuple(inputs),
                        params=tuple(params), reads=tuple(reads), outputs=tuple(outs),
                        round_saved=True)
-    return Built(graph, tags, hidden, notes)
+    return Built(graph, tags, hidden, notes, unmodelled)
 
 
 def _traced(call: Call, acts: Sequence[int]) -> Built:
@@ -417,7 +453,7 @@ def traced_graph(fn: Callable[..., Any], args: Sequence[Any],
     `activation_argnums` count their bytes, the others are parameters), tangents of every
     floating argument unknown, as when a training step differentiates the layer with
     respect to its input and its parameters."""
-    return _traced(bind_call(fn, args, kwargs), activation_argnums).graph
+    return _traced(bind_call(fn, args, kwargs), activation_argnums).checked()
 
 
 def traced_footprint(fn: Callable[..., Any], *args: Any,
@@ -445,7 +481,7 @@ def traced_footprint(fn: Callable[..., Any], *args: Any,
     call = bind_call(fn, args, kwargs)
     acts = resolve_activation_argnums(call.fn, call.args, None, activation_argnums)
     built = _traced(call, acts)
-    graph = built.graph
+    graph = built.checked()
     order: dict[str, list[Value]] = {}
     for v in graph.values.values():
         if v.role is not None:
