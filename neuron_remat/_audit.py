@@ -29,6 +29,12 @@ class DeadPatternError(ValueError):
 
 @dataclass(frozen=True)
 class TagAudit:
+    """One tag: its `shape`, `dtype` and `bytes` per emission as the program computes it
+    (inside a ``shard_map``, per shard: per core), `count` emissions per call, what the
+    policy does with it, and `kept_bytes`: what JAX keeps for it under the policy, as
+    ``saved_residuals`` lists it (a shard_map's residuals at their global shapes, all shards
+    together)."""
+
     name: str
     shape: tuple[int, ...]
     dtype: str
@@ -57,6 +63,7 @@ class AuditReport:
     recompute_flops: int
     saved_param_bytes: int = 0  # parameters JAX keeps: model state, not activations
     activation_argnums: tuple[int, ...] = ()
+    notes: tuple[str, ...] = ()  # how the program was read (a shard_map's per-shard shapes)
 
     @property
     def saved_bytes(self) -> int:
@@ -96,6 +103,11 @@ class AuditReport:
             lines.append(f"DEAD PATTERN: {p!r} matches no tag this function emits")
         for tag, pats in self.overlaps:
             lines.append(f"note: {tag!r} is matched by {len(pats)} patterns: {list(pats)}")
+        for note in self.notes:
+            lines.append(f"note: {note}")
+        if any("shard_map" in n for n in self.notes):
+            lines.append("note: a tag's bytes are per shard inside a shard_map; kept is what "
+                         "JAX keeps, all shards together")
         return "\n".join(lines)
 
 
@@ -135,7 +147,8 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
         # Not a layer (a loss, a function with several outputs): no argument is the layer
         # input, so every argument JAX keeps is reported as an input, as JAX sees it.
         acts = tuple(range(call.n_positional))
-    infos = _trace.emitted_tags(fn, args, kwargs)
+    built = _trace.emitted_build(fn, args, kwargs)
+    infos = list(built.tags.values())
     names = [i.name for i in infos]
     dead = policy.dead_patterns(names)
     if dead and strict:
@@ -173,4 +186,4 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
         other_residuals=tuple((r.name, r.bytes) for r in res if r.kind == "other"),
         recomputed_dots=cost.dot_generals - base.dot_generals,
         full_remat_dots=full.dot_generals - base.dot_generals,
-        recompute_flops=cost.flops - base.flops)
+        recompute_flops=cost.flops - base.flops, notes=tuple(built.notes))

@@ -40,11 +40,17 @@ def emitted_tags(fn: Callable[..., Any], args: Sequence[Any],
     """Every tag `fn` emits when differentiated, in program order, merged by name: those
     in scan bodies (counted per iteration), custom VJP forwards and shard_map bodies (at
     per-shard shapes) too."""
+    return list(emitted_build(fn, args, kwargs).tags.values())
+
+
+def emitted_build(fn: Callable[..., Any], args: Sequence[Any],
+                  kwargs: dict[str, Any] | None = None) -> Built:
+    """`emitted_tags`'s build of `fn`'s JVP: its tags, and its notes (a shard_map's values
+    count per shard, which cond branch is counted, ...)."""
     call = bind_call(fn, args, kwargs)
     closed, diff, _ = _jvp_jaxpr(call)
     n, m = len(diff), sum(diff)
-    built = _build(closed, [False] * n + [True] * m, None)
-    return list(built.tags.values())
+    return _build(closed, [False] * n + [True] * m, None)
 
 
 # --------------------------------------------------------------------------------------

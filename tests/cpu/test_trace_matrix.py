@@ -32,6 +32,7 @@ import pathlib
 import random
 import subprocess
 import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -526,3 +527,33 @@ def test_an_unknown_primitive_holding_a_jaxpr_is_named():
     w, x = jnp.ones((8, 8)), jnp.ones((4, 8))
     with pytest.raises(ValueError, match="custom_linear_solve"):
         nr.traced_footprint(layer, w, x)
+
+
+def test_audit_says_which_bytes_are_per_shard():
+    """Inside a shard_map a tag's size is per shard and JAX's residual is global: the audit
+    states both, says so, and its kept bytes are saved_residuals' (8 shards here)."""
+    skip_unless_jax_remats_shard_map()
+    out = _in_subprocess(textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.ad_checkpoint import checkpoint_name as cn
+        from jax.sharding import Mesh, PartitionSpec as P
+        from jax._src.ad_checkpoint import saved_residuals, save_only_these_names
+        import neuron_remat as nr
+        mesh = Mesh(np.array(jax.devices()), ("x",))
+        def kernel(q, k):
+            return cn(jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k)), "probs") @ k
+        sm = jax.shard_map(kernel, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x"))
+        def layer(x, w):
+            return x + sm(x @ w, x)
+        x, w = jnp.ones((8, 16, 32)), jnp.ones((32, 32)) * 0.01
+        r = nr.audit(layer, x, w, policy=nr.RegexPolicy(["probs"]))
+        g = jax.checkpoint(layer, policy=save_only_these_names("probs"))
+        jax_kept = sum(int(np.prod(a.shape)) * a.dtype.itemsize  # the shard_map's output
+                       for a, why in saved_residuals(g, x, w)
+                       if not why.startswith("from the argument"))
+        t = r.tags[0]
+        print(t.bytes, t.kept_bytes, jax_kept, "per shard inside a shard_map" in r.table())
+    """), devices=8)
+    per_shard, kept, jax_kept, said = out.split()[-4:]
+    assert int(per_shard) == 16 * 16 * 4 and int(kept) == int(jax_kept) == 8 * 16 * 16 * 4
+    assert said == "True"
