@@ -360,8 +360,11 @@ _REDUCE = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "a
 def eqn_flops(eqn: Any) -> int:
     """FLOPs of one equation as XLA's HloCostAnalysis counts its lowering: 2 per
     multiply-add of a matmul, one per element of arithmetic, a reduction's input minus
-    output elements, nothing for data movement or transcendental functions (counted apart),
-    except ``logistic``, which XLA expands to negate, exp, add and divide (3 FLOPs)."""
+    output elements (nine times that for ``argmax``/``argmin``, whose comparator picks a
+    value and an index), nothing for data movement or transcendental functions (counted
+    apart), except ``logistic``, which XLA expands to negate, exp, add and divide (3
+    FLOPs), and a gather in fill mode (``jnp.take``'s default), whose bounds check and
+    select cost one per output element and three per index element."""
     name = str(eqn.primitive)
     if name in _KERNELS:  # what the kernel's author estimated (CostEstimate.flops), or 0
         return int(getattr(eqn.params.get("cost_estimate"), "flops", 0) or 0)
@@ -372,8 +375,16 @@ def eqn_flops(eqn: Any) -> int:
         return 2 * int(math.prod(eqn.outvars[0].aval.shape)) * int(k)
     if name == "logistic":
         return 3 * int(math.prod(eqn.outvars[0].aval.shape))
+    if name == "gather" and "FILL_OR_DROP" in str(eqn.params.get("mode", "")):
+        # jnp.take's default: XLA checks each index against the bounds and selects the
+        # fill value, one FLOP per output element and three per index element
+        return int(math.prod(eqn.outvars[0].aval.shape)) + 3 * int(
+            math.prod(eqn.invars[1].aval.shape))
     if name in _FREE:
         return 0
+    if name in ("argmax", "argmin"):  # a variadic reduce: its comparator is 9 ops a step
+        return 9 * (int(math.prod(eqn.invars[0].aval.shape))
+                    - int(math.prod(eqn.outvars[0].aval.shape)))
     if name in _REDUCE:
         size = int(math.prod(eqn.invars[0].aval.shape))
         if name.startswith("cum"):
