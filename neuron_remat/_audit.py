@@ -63,7 +63,7 @@ class AuditReport:
     recompute_flops: int
     saved_param_bytes: int = 0  # parameters JAX keeps: model state, not activations
     activation_argnums: tuple[int, ...] = ()
-    notes: tuple[str, ...] = ()  # how the program was read (a shard_map's per-shard shapes)
+    per_shard: bool = False  # tags inside a shard_map: `TagAudit.bytes` per shard
 
     @property
     def saved_bytes(self) -> int:
@@ -103,9 +103,7 @@ class AuditReport:
             lines.append(f"DEAD PATTERN: {p!r} matches no tag this function emits")
         for tag, pats in self.overlaps:
             lines.append(f"note: {tag!r} is matched by {len(pats)} patterns: {list(pats)}")
-        for note in self.notes:
-            lines.append(f"note: {note}")
-        if any("shard_map" in n for n in self.notes):
+        if self.per_shard:
             lines.append("note: a tag's bytes are per shard inside a shard_map; kept is what "
                          "JAX keeps, all shards together")
         return "\n".join(lines)
@@ -186,4 +184,4 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
         other_residuals=tuple((r.name, r.bytes) for r in res if r.kind == "other"),
         recomputed_dots=cost.dot_generals - base.dot_generals,
         full_remat_dots=full.dot_generals - base.dot_generals,
-        recompute_flops=cost.flops - base.flops, notes=tuple(built.notes))
+        recompute_flops=cost.flops - base.flops, per_shard=built.per_shard)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,21 @@ class Probe:
     predicted_bytes: int | None = None
     out_of_memory: bool = False  # the compile failed for want of device memory
     reported_bytes: int | None = None  # the byte figure that failure gave, if any
+
+
+class CompileFailedError(ValueError):
+    """A compile of the user's step failed, for a reason other than device memory: the
+    step's error, not neuron_remat's (the cause is chained)."""
+
+
+def compile_named(build: Callable[[], Any], args: Sequence[Any], what: str) -> _Compiled:
+    """`_compile` of ``build()`` (the step for one policy); any failure but running out
+    of memory is a `CompileFailedError` naming `what` (the compile's number and set)."""
+    try:
+        return _compile(build(), args)
+    except Exception as err:  # noqa: BLE001  the user's step, failing as it will
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise CompileFailedError(f"{what} failed with {type(err).__name__}: {first}") from err
 
 
 def _jitted(step: Any) -> Any:

@@ -92,20 +92,21 @@ from typing import Any
 
 import numpy as np
 
-from ._compile import OOM_SIGNALS, Probe, _compile, _Compiled, _policy, out_of_memory
+from ._compile import (OOM_SIGNALS, CompileFailedError, Probe, _Compiled, _policy,
+                       compile_named, out_of_memory)
 from ._format import fmt_bytes, grid, tag_list
 from ._mix import MIX_COMPILES, fit_per_layer
 from ._search import (DEFAULT_BAND, NO_REMAT, TIGHT, _Candidate, _candidates, _frontier,
                       _max_compiles, _Model, _oracle_cap, _PolicyIgnored, _Search, _stretch,
                       _what)
-from ._step import LayerBackward, StepGraph, _pool, step_graph
+from ._step import LayerBackward, StepGraph, StepTraceError, _pool, step_graph
 from .device import DeviceSpec, as_device
 from .memory_model import reserve_bytes as _reserve_bytes
 from ._plan import Choice, NoFitError, Plan, TagDecision
 
-__all__ = ["OOM_SIGNALS", "CompiledFit", "FitPreview", "LayerBackward", "PolicyIgnoredError",
-           "Probe", "StepGraph", "fit", "fit_per_layer", "fit_preview", "fit_table",
-           "out_of_memory", "step_graph"]
+__all__ = ["OOM_SIGNALS", "CompileFailedError", "CompiledFit", "FitPreview", "LayerBackward",
+           "PolicyIgnoredError", "Probe", "StepGraph", "StepTraceError", "fit",
+           "fit_per_layer", "fit_preview", "fit_table", "out_of_memory", "step_graph"]
 
 logger = logging.getLogger("neuron_remat.fit")  # the public name, not the private module's
 
@@ -259,7 +260,9 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
     False and its bytes are the model's.
 
     Raises `NoFitError` (with the numbers) when no compiled save set fits, and ValueError
-    when the step has no checkpointed layer, ignores its policy, or an option is wrong.
+    when the step has no checkpointed layer, ignores its policy, or an option is wrong;
+    among those, `StepTraceError` when the step fails to trace and `CompileFailedError`
+    when a compile fails for a reason other than memory (the cause chained).
     """
     if plan_options.get("per_layer"):  # the uniform fit, then a compiled mix (fit_per_layer)
         cap, _ = _check_options(plan_options)
@@ -296,15 +299,10 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
                  else "every tag saved" if not probes[1:] and len(c.saved) == len(tags)
                  else "search")
         progress(f"compile {len(probes) + 1}: {label} ({_what(c.saved)}) ...")
-        try:
-            r = _compile(make_step(_policy(c.saved)), args)
-        except Exception as err:  # not out of memory (`_compile` answers that): the step's
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            raise RuntimeError(
-                f"fit: compile {len(probes) + 1} ({_what(c.saved)}) failed with "
-                f"{type(err).__name__}: {first}; the compiles before it: "
-                + ("; ".join(f"{p.label} ({_what(p.saved)})" for p in probes) or "none")
-            ) from err
+        r = compile_named(lambda: make_step(_policy(c.saved)), args,
+                          f"fit: compile {len(probes) + 1} ({_what(c.saved)}), after "
+                          + ("; ".join(f"{p.label} ({_what(p.saved)})" for p in probes)
+                             or "none before it,"))
         results[c.saved] = r
         probes.append(Probe(label, c.saved, r.bytes if r.bytes is not None else -1,
                             r.argument, r.output, r.temp, r.alias, r.flops, r.seconds,
@@ -517,7 +515,7 @@ def fit_preview(make_step: Callable[[Any], Any], *args: Any,
         make_step, args, device, reserve, plan_options)
     cands = _candidates(graph, tags)
     full = next(c for c in cands if c.saved == ())
-    r = _compile(make_step(_policy(())), args)
+    r = compile_named(lambda: make_step(_policy(())), args, "fit --dry-run: full remat")
     measured = r.bytes is not None
     # an out-of-memory error's figure over the limit is the program's (`_Search._figure`)
     figure = r.bytes if measured else (

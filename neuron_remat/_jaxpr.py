@@ -361,10 +361,12 @@ def eqn_flops(eqn: Any) -> int:
     """FLOPs of one equation as XLA's HloCostAnalysis counts its lowering: 2 per
     multiply-add of a matmul, one per element of arithmetic, a reduction's input minus
     output elements (nine times that for ``argmax``/``argmin``, whose comparator picks a
-    value and an index), nothing for data movement or transcendental functions (counted
-    apart), except ``logistic``, which XLA expands to negate, exp, add and divide (3
-    FLOPs), and a gather in fill mode (``jnp.take``'s default), whose bounds check and
-    select cost one per output element and three per index element."""
+    value and an index: XLA's count for float32; int32 and bfloat16 differ by a few per
+    step), nothing for data movement or transcendental functions (counted apart), except
+    ``logistic``, which XLA expands to negate, exp, add and divide (3 FLOPs), and a gather
+    in fill mode (``jnp.take``'s default), whose bounds check and select cost one per
+    output element and three per index element (XLA's count for one index component, as
+    ``jnp.take`` makes; a few more for several)."""
     name = str(eqn.primitive)
     if name in _KERNELS:  # what the kernel's author estimated (CostEstimate.flops), or 0
         return int(getattr(eqn.params.get("cost_estimate"), "flops", 0) or 0)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._compile import Probe, _compile, _policy
+from ._compile import Probe, _policy, compile_named
 from ._format import fmt_bytes
 from ._search import NO_REMAT, _Model
 from ._step import StepGraph, _pool, step_graph
@@ -167,7 +167,8 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
         # The other end point of the mixes, measured: no remat's untagged values make it
         # the model's least certain figure.
         say(f"compile {len(probes) + 1}: no remat (the per-layer plan's end point) ...")
-        c = _compile(make_step(_policy(None)), args)
+        c = compile_named(lambda: make_step(_policy(None)), args,
+                          f"fit per layer: compile {len(probes) + 1} (no remat)")
         if c.bytes is None and not c.oom:
             return keep("per-layer plan: the backend has no memory_analysis(); not tried")
         probes.append(Probe(NO_REMAT, None, -1 if c.bytes is None else c.bytes, c.argument,
@@ -219,7 +220,8 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
             for m, (s, _) in zip(mix, sorted(chosen, key=lambda c: (c[0].cost,
                                                                      c[0].saved or ()))))
             + f", predicted {fmt_bytes(predicted + reserve)} ...")
-        c = _compile(make_step(per), args)
+        c = compile_named(lambda: make_step(per), args,
+                          f"fit per layer: compile {len(probes) + 1} (a mix)")
         if c.bytes is None and not c.oom:
             return keep("per-layer plan: the backend has no memory_analysis(); not confirmed")
         probes.append(Probe("per-layer mix", None, c.bytes if c.bytes is not None else -1,

@@ -493,11 +493,13 @@ class _Search:
             if not better:
                 self.stop = "every set that recomputes less was compiled"
                 return best
-            if better == [self.candidates[0]] and better[0].saved is None and (
-                    self._every is None or self.fits(self._every.saved)):
+            if better == [self.candidates[0]] and better[0].saved is None:
+                if self._every is not None and not self.fits(self._every.saved):
+                    self.stop = ("every set that recomputes less was compiled but no remat, "
+                                 "which keeps more than saving every tag, over the limit")
+                    return best
                 # the least-recompute save set fits: only no remat is better, and one
-                # compile says whether it fits (its own prediction is the least sure).
-                # When that set came out over, no remat, which keeps more, is not tried.
+                # compile says whether it fits (its own prediction is the least sure)
                 got = self._measure(better[0])
                 continue
             last = self.used == self.max_compiles - 1

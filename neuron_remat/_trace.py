@@ -142,6 +142,7 @@ class Built:
     hidden: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     unmodelled: list[str] = field(default_factory=list)  # why `graph` is not the program's
+    per_shard: bool = False  # a shard_map was inlined: its values are at per-shard shapes
 
     def checked(self) -> LayerGraph:
         """The graph, or `UnsupportedPrimitiveError` where part of the program is not
@@ -181,7 +182,7 @@ def jaxpr_graph(jaxpr: Any, *, unknown: Sequence[bool],
     is part of that op. Any other primitive holding a jaxpr raises
     `UnsupportedPrimitiveError`.
     """
-    return _build(jaxpr, unknown, activation).checked()
+    return _build(jaxpr, unknown, activation).graph
 
 
 def _build(jaxpr: Any, unknown: Sequence[bool],
@@ -205,6 +206,7 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
     hidden: dict[str, str] = {}
     notes: list[str] = []
     unmodelled: list[str] = []
+    per_shard = [False]
     counter = [0]
 
     def fresh(aval: Any, lead: tuple[int, ...], prefix: str = "v", role: str | None = None,
@@ -386,6 +388,7 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
                         f"cannot follow {prim}: its jaxpr takes {len(sub.invars)} inputs "
                         f"for {len(ins)} operands")
                 if prim == "shard_map":
+                    per_shard[0] = True
                     mesh = eqn.params.get("mesh")
                     shape = dict(getattr(mesh, "shape", {}) or {})
                     note = (f"a shard_map over mesh {shape}: its values count per shard "
@@ -441,7 +444,7 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
     graph = LayerGraph(values=values, ops=tuple(ops), inputs=tuple(inputs),
                        params=tuple(params), reads=tuple(reads), outputs=tuple(outs),
                        round_saved=True)
-    return Built(graph, tags, hidden, notes, unmodelled)
+    return Built(graph, tags, hidden, notes, unmodelled, per_shard[0])
 
 
 def _traced(call: Call, acts: Sequence[int]) -> Built:

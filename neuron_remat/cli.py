@@ -449,6 +449,7 @@ def _band(text: str) -> float:
 def _cmd_fit(args: argparse.Namespace) -> int:
     from . import planner  # noqa: PLC0415
     from ._fit import fit, fit_preview, fit_table  # noqa: PLC0415 - traces and compiles
+    from ._compile import CompileFailedError  # noqa: PLC0415
     from ._step import StepTraceError  # noqa: PLC0415
 
     make_step, fargs = _load_factory(args.target)
@@ -466,7 +467,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         try:
             preview = fit_preview(make_step, *fargs, device=device, reserve=reserve,
                                   **options)
-        except StepTraceError as err:  # the user's step (a bug of ours is not)
+        except (StepTraceError, CompileFailedError) as err:  # the user's step, not ours
             raise UsageError(f"fit target {args.target!r}: {err}") from err
         if args.json:
             _print_json({**preview.to_dict(), **({"note": note} if note else {})})
@@ -481,7 +482,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         chosen = fit(make_step, *fargs, device=device, reserve=reserve, **options)
     except planner.NoFitError as err:
         return _no_fit(err, args.json)
-    except StepTraceError as err:  # the user's step (a bug of ours is not)
+    except (StepTraceError, CompileFailedError) as err:  # the user's step, not ours
         raise UsageError(f"fit target {args.target!r}: {err}") from err
     if args.json:
         _print_plan_json(chosen, note)

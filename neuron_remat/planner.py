@@ -224,8 +224,8 @@ def plan(
                          "built-in name (get_model), or call plan_footprint with a footprint "
                          "and a byte budget")
     if not isinstance(config, models.TransformerConfig):
-        raise TypeError(f"plan(config=...): a {type(config).__name__}; give a "
-                        "TransformerConfig or a built-in model name")
+        raise TypeError(f"plan(config=...): {str(config)[:60]!r} ({type(config).__name__}) "
+                        "is not a model; give a TransformerConfig or a built-in model name")
     if not isinstance(shape, models.StepShape):
         hint = (f" ({config.name}'s default: StepShape(seq_len={config.default_seq_len}))"
                 if config.default_seq_len else "")

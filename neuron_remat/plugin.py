@@ -317,7 +317,8 @@ def _provide_logged(layer: str | None, stack: str, model: Any, tags: Any, shape:
     except Exception as err:  # noqa: BLE001
         if _flag(STRICT_ENV):
             raise
-        _warn_once(("provide", type(err).__name__, *getattr(err, "cause", (str(err),))),
+        _warn_once(("provide", type(err).__name__,
+                    *(err.cause if isinstance(err, _Refusal) else (str(err),))),
                    "neuron_remat could not choose a remat policy for %s (%s: %s); the "
                    "host's default policy stands", layer or "this layer",
                    type(err).__name__, err)

@@ -393,25 +393,28 @@ def modify(trainer_cfg: Any, *, spec_factory: Callable[..., Any] | None = None,
     `spec_factory(stack_class, **context)` defaults to `remat_spec`."""
     if plugin._flag(plugin.DISABLE_ENV):  # noqa: SLF001 - the plugin's own switch
         return trainer_cfg
-    stack = _get(trainer_cfg, STACK_PATH)
-    if "model" not in context:
-        try:
+    try:
+        stack = _get(trainer_cfg, STACK_PATH)
+        if "model" not in context:
             device = context.pop("device", None) or detect()
             hosts = context.pop("hosts", None)
             if not device.is_neuron or stack_kind(stack.klass) == "pipelined":
                 return trainer_cfg
             desc = describe_trainer(trainer_cfg, device=device,
                                     hosts=hosts or _process_count())
-        except Exception as err:
-            if plugin._flag(plugin.STRICT_ENV):  # noqa: SLF001
-                raise
-            plugin._warn_once(  # noqa: SLF001
-                ("axlearn modify", type(err).__name__, str(err)),
-                "neuron_remat: cannot read the trainer config for a remat plan (%s: %s); "
-                "remat_spec left as it is", type(err).__name__, err)
-            return trainer_cfg
-        context = {"model": desc.config, "shape": desc.shape, "parallelism": desc.parallelism,
-                   "tags": list(desc.emitted), "device": device, **context}
+            context = {"model": desc.config, "shape": desc.shape,
+                       "parallelism": desc.parallelism, "tags": list(desc.emitted),
+                       "device": device, **context}
+    except Exception as err:
+        if plugin._flag(plugin.STRICT_ENV):  # noqa: SLF001
+            raise
+        plugin._warn_once(  # noqa: SLF001
+            ("axlearn modify", type(err).__name__, str(err)),
+            "neuron_remat: cannot read the trainer config for a remat plan (%s: %s); "
+            "remat_spec left as it is", type(err).__name__, err)
+        # the other processes may have read theirs: that they differ is reported, not waited
+        multihost.agree(None, None, what=f"{STACK_PATH} (modify)", context={})
+        return trainer_cfg
     spec = (spec_factory or remat_spec)(stack.klass, **context)
     if spec is None:
         return trainer_cfg

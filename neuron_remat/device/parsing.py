@@ -168,7 +168,10 @@ def as_device(value: DeviceSpec | str | None, where: str) -> DeviceSpec | None:
     if value is None or isinstance(value, DeviceSpec):
         return value
     if isinstance(value, str):
-        return parse_device(value, source="argument")
+        try:
+            return parse_device(value, source="argument")
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
     raise TypeError(f"{where}: {_show(value)} ({type(value).__name__}) is not a device; give a DeviceSpec "
                     "(detect(), parse_device(...)) or a string such as 'trn2.48xlarge'")
 

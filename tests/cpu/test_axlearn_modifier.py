@@ -500,6 +500,10 @@ def test_modify_falls_back_on_what_it_cannot_read(axlearn, monkeypatch, caplog):
             assert _policy_kwargs(_spec(cfg)) == before
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "trn9" in warnings[0].getMessage()
+    import types
+
+    broken = types.SimpleNamespace(model=types.SimpleNamespace())  # no stack where it looks
+    assert ax.modify(broken) is broken
     monkeypatch.setenv("NEURON_REMAT_STRICT", "1")
     with pytest.raises(ValueError, match="trn9"):
         ax.modify(_launch("7B", None, single_host=True))

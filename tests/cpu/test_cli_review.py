@@ -123,6 +123,10 @@ def test_api_takes_a_device_string_and_a_model_name():
     (lambda: nr.from_instance_type(None), r"instance type None \(NoneType\) is not a name"),
     (lambda: nr.get_model(3), r"model 3 \(int\) is not a name"),
     (lambda: nr.plan(3, "llama3-8b", nr.StepShape(seq_len=8)), r"plan\(device=...\): 3"),
+    (lambda: nr.plan("trn9", "llama3-8b", nr.StepShape(seq_len=8)),
+     r"plan\(device=...\): device 'trn9': unknown device"),
+    (lambda: nr.plan(None, 3.5, nr.StepShape(seq_len=8)),
+     r"plan\(config=...\): '3.5' \(float\) is not a model"),
     (lambda: nr.plan(None, "llama3-8b"), r"shape=None; give StepShape\(seq_len=...\) "
                                          r"\(llama3-8b's default"),
 ])
