@@ -533,10 +533,9 @@ with fx.on_path():
 """
 
 
-def test_fuji_70b_in_a_two_process_job_plans_with_no_arguments(tmp_path):
-    """Two CPU processes joined by jax.distributed on 127.0.0.1, each simulating a
-    trn2.48xlarge: the modifier takes the job size from JAX and both plan alike."""
-    import json
+def _two_processes(tmp_path, job: str, **env_more: str) -> list[str]:
+    """Run `job` as two CPU processes joined by jax.distributed on 127.0.0.1, each
+    simulating a trn2.48xlarge; the last line each printed."""
     import os
     import socket
     import subprocess
@@ -546,9 +545,9 @@ def test_fuji_70b_in_a_two_process_job_plans_with_no_arguments(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     script = tmp_path / "job.py"
-    script.write_text(_JOB)
+    script.write_text(job)
     env = {**os.environ, "COORD": f"127.0.0.1:{port}", "NEURON_REMAT_DEVICE": "trn2.48xlarge",
-           "FIXTURES": str(fx.STUB.parent), "JAX_PLATFORMS": "cpu"}
+           "FIXTURES": str(fx.STUB.parent), "JAX_PLATFORMS": "cpu", **env_more}
     procs = [subprocess.Popen([sys.executable, str(script), str(i)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
@@ -561,7 +560,15 @@ def test_fuji_70b_in_a_two_process_job_plans_with_no_arguments(tmp_path):
                 q.kill()
             raise
         assert p.returncode == 0, err[-2000:]
-        outs.append(json.loads(out.strip().splitlines()[-1]))
+        outs.append(out.strip().splitlines()[-1])
+    return outs
+
+
+def test_fuji_70b_in_a_two_process_job_plans_with_no_arguments(tmp_path):
+    """Two CPU processes joined by jax.distributed on 127.0.0.1, each simulating a
+    trn2.48xlarge: the modifier takes the job size from JAX and both plan alike."""
+    import json
+    outs = [json.loads(line) for line in _two_processes(tmp_path, _JOB)]
     assert outs[0] == outs[1]
     got = outs[0]
     assert (got["hosts"], got["fsdp"], got["micro_batch"], got["prevent_cse"]) == (2, 32, 1, True)
@@ -594,32 +601,7 @@ def test_hosts_that_would_leave_the_stack_differently_are_stopped(tmp_path):
     """Two processes, one seeing half the cores: one plans, the other cannot read the
     config for its device and keeps the rule's spec (not strict). Left so, the two would
     compile different programs; the modifier's agreement check stops both."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "job.py"
-    script.write_text(_MISMATCH_JOB)
-    env = {**os.environ, "COORD": f"127.0.0.1:{port}", "NEURON_REMAT_DEVICE": "trn2.48xlarge",
-           "FIXTURES": str(fx.STUB.parent), "JAX_PLATFORMS": "cpu",
-           "NEURON_REMAT_AGREEMENT_TIMEOUT": "60"}
-    procs = [subprocess.Popen([sys.executable, str(script), str(i)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    outs = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        assert p.returncode == 0, err[-2000:]
-        outs.append(out.strip().splitlines()[-1])
+    outs = _two_processes(tmp_path, _MISMATCH_JOB, NEURON_REMAT_AGREEMENT_TIMEOUT="60")
     assert outs == ["PolicyMismatchError", "PolicyMismatchError"], outs
 
 

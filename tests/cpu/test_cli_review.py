@@ -19,13 +19,6 @@ from neuron_remat.cli import main
 PLAN = ["plan", "--model", "llama3-8b", "--device", "trn2.48xlarge:hbm=8GiB"]
 
 
-@pytest.fixture(autouse=True)
-def _no_override(monkeypatch):
-    monkeypatch.delenv(dev.OVERRIDE_ENV, raising=False)
-    for var in ("NEURON_RT_VISIBLE_CORES", "NEURON_RT_NUM_CORES"):
-        monkeypatch.delenv(var, raising=False)
-
-
 def _one_line_error(argv, capsys, *, as_json=False) -> str:
     rc = main([*argv, *(["--json"] if as_json else [])])
     out, err = capsys.readouterr()
