@@ -299,10 +299,10 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
                  else "every tag saved" if not probes[1:] and len(c.saved) == len(tags)
                  else "search")
         progress(f"compile {len(probes) + 1}: {label} ({_what(c.saved)}) ...")
+        before = "; ".join(f"{p.label} ({_what(p.saved)})" for p in probes)
         r = compile_named(lambda: make_step(_policy(c.saved)), args,
-                          f"fit: compile {len(probes) + 1} ({_what(c.saved)}), after "
-                          + ("; ".join(f"{p.label} ({_what(p.saved)})" for p in probes)
-                             or "none before it,"))
+                          f"fit: compile {len(probes) + 1} ({_what(c.saved)})"
+                          + (f", after {before}," if before else ""))
         results[c.saved] = r
         probes.append(Probe(label, c.saved, r.bytes if r.bytes is not None else -1,
                             r.argument, r.output, r.temp, r.alias, r.flops, r.seconds,

@@ -204,7 +204,7 @@ def test_a_compile_that_fails_otherwise_names_the_compile(xla):
         nr.fit(lambda p: Broken(make_step(p), _saves(p), [0]), *ARGS, device=device,
                reserve=reserve, progress=lambda line: None)
     text = str(err.value)
-    assert text == ("fit: compile 2 (save h1, h2), after full remat (full remat) failed with "
+    assert text == ("fit: compile 2 (save h1, h2), after full remat (full remat), failed with "
                     "RuntimeError: INTERNAL: the compiler crashed")
     assert isinstance(err.value, ValueError)
 
