@@ -60,6 +60,22 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     # a Llama layer; parameters differ by (heads + kv_heads - 2) x head_dim per layer.
     "olmo2": {"qk_norm": True},
 }
+# The values transformers' config classes give fields a config.json may leave out (each
+# class's __init__ defaults, same commit as below), where the loader's own fallback would
+# differ: a Gemma head is 256 wide whatever hidden / heads is; Gemma 3's text config is
+# often written with only what differs from its class; DeepSeek-V3's MoE differs from V2's.
+# They fill a key only when it is absent (an explicit null keeps its meaning: DeepSeek's
+# q_lora_rank null is no query compression).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma": {"head_dim": 256}, "gemma2": {"head_dim": 256},
+    "gemma3_text": {"head_dim": 256, "num_attention_heads": 8, "num_key_value_heads": 4,
+                    "vocab_size": 262208},
+    "deepseek_v2": {"n_shared_experts": 2, "q_lora_rank": 1536},
+    "deepseek_v3": {"first_k_dense_replace": 3, "n_shared_experts": 1, "q_lora_rank": 1536,
+                    "scoring_func": "sigmoid", "topk_method": "noaux_tc"},
+    "qwen2_moe": {"shared_expert_intermediate_size": 5632},
+    "llama4_text": {"intermediate_size_mlp": 16384},
+}
 # The other spellings transformers' config classes accept for a field the loader reads
 # (each class's ``attribute_map``: either key sets the same attribute, and a config.json
 # written by transformers may carry either). huggingface/transformers commit
@@ -267,7 +283,7 @@ def from_hf_config(cfg: Mapping[str, Any], *, name: str | None = None,
 def _from_hf_config(cfg: Mapping[str, Any], name: str | None, source: str, text_only: bool,
                     overrides: dict[str, Any]) -> TransformerConfig:
     model_type = _Fields(cfg, source).str("model_type", "") or ""
-    f = _Fields(cfg, source, _SPELLINGS.get(model_type))
+    f = _Fields({**_DEFAULTS.get(model_type, {}), **cfg}, source, _SPELLINGS.get(model_type))
     text = _check_modelled(cfg, source, model_type, text_only)
     if text is not None:
         return from_hf_config(text, name=name or f.str("_name_or_path"),

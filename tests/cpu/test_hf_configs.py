@@ -310,3 +310,39 @@ def test_a_disabled_sliding_window_is_not_noted():
     qwen = models.load_hf_config(DATA / "qwen2.5-7b.json")
     assert qwen.sliding_window is None and qwen.max_positions == 131072
     assert models.shape_notes(qwen, models.StepShape(seq_len=100000)) == ()
+
+
+@pytest.mark.parametrize("name, dropped", [
+    ("gemma-2-9b.json", ["head_dim"]),  # hidden / heads would be 224
+    ("gemma-3-1b.json", ["head_dim"]),
+    ("deepseek-v3.json", ["first_k_dense_replace", "n_shared_experts", "q_lora_rank",
+                          "scoring_func", "topk_method"]),
+    ("deepseek-v2-lite.json", ["n_shared_experts"]),
+    ("qwen1.5-moe-a2.7b.json", ["shared_expert_intermediate_size"]),
+    ("llama4-scout.json", ["intermediate_size_mlp"]),
+])
+def test_a_field_left_out_takes_its_transformers_class_default(name, dropped):
+    """A config.json may leave out what its transformers class defaults; where the file
+    holds exactly those defaults, leaving them out changes nothing (the expected model is
+    the complete file's)."""
+    full = json.loads((DATA / name).read_text())
+    text = "text_config" in full
+    part = json.loads(json.dumps(full))
+    src = part["text_config"] if text else part
+    for key in dropped:
+        del src[key]
+    kw = {"text_only": True} if text else {}
+    assert models.from_hf_config(part, **kw) == models.from_hf_config(full, **kw)
+
+
+def test_a_gemma3_text_config_written_with_only_what_differs():
+    """Gemma 3 4B's text_config as published (google/gemma-3-4b-it) gives only what differs
+    from Gemma3TextConfig: the heads, head width and vocabulary are the class's (8, 4, 256,
+    262208)."""
+    cfg = {"model_type": "gemma3", "vision_config": {"model_type": "siglip_vision_model"},
+           "text_config": {"model_type": "gemma3_text", "hidden_size": 2560,
+                           "intermediate_size": 10240, "num_hidden_layers": 34,
+                           "sliding_window": 1024,
+                           "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}}
+    got = models.from_hf_config(cfg, text_only=True)
+    assert (got.heads, got.kv_heads, got.head_dim, got.vocab) == (8, 4, 256, 262208)
