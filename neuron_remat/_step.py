@@ -49,12 +49,21 @@ def _depends(jaxpr: Any, seeds: set[Any]) -> tuple[set[Any], list[bool]]:
     return tainted, marks
 
 
+def _holds_a_tag(eqn: Any) -> bool:
+    """Whether `eqn` is a tag, or holds one in a jaxpr of its own (a scan's body, a
+    call's): what depends on its inputs then reaches a tag."""
+    return is_name_primitive(eqn.primitive) or any(
+        is_name_primitive(e.primitive) for sub, _ in _jaxpr._sub_jaxprs(eqn)
+        for e, _ in _jaxpr._walk(sub))
+
+
 def _cotangent_count(body: Any) -> int:
     """How many trailing inputs of a transposed remat body are output cotangents.
 
     JAX's remat transpose binds the residuals (the layer's non-linear primal inputs, and
     saved values) first, then the nonzero output cotangents. The cotangents are the
-    largest trailing run of inputs that no tag (``checkpoint_name``) depends on, and every
+    largest trailing run of inputs that no tag (``checkpoint_name``, also one inside a
+    scan's body or a call) depends on, and every
     gradient the body returns depends on them. (The smallest run that every gradient
     depends on is not enough: with a carry and a per-layer output, the output's cotangent
     alone reaches every gradient.) A trailing parameter that feeds no tag would be taken
@@ -65,7 +74,7 @@ def _cotangent_count(body: Any) -> int:
     found = 0
     for k in range(1, n):
         _, marks = _depends(body, set(body.invars[n - k:]))
-        if any(m and is_name_primitive(e.primitive) for m, e in zip(marks, body.eqns)):
+        if any(m and _holds_a_tag(e) for m, e in zip(marks, body.eqns)):
             break
         found = k
     if found:
