@@ -12,7 +12,7 @@ from typing import Any
 import jax
 
 from . import _jaxpr, _trace
-from ._format import fmt_bytes, grid
+from ._format import first_line, fmt_bytes, grid
 from .policies import RegexPolicy
 
 __all__ = ["AuditReport", "DeadPatternError", "LayerError", "TagAudit", "audit"]
@@ -134,7 +134,7 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
     except Exception as err:  # noqa: BLE001  the user's function, failing as it will
         name = getattr(fn, "__name__", type(fn).__name__)
         raise LayerError(f"{name} raised {type(err).__name__} when traced with these "
-                         f"arguments: {str(err).splitlines()[0] if str(err) else ''}"
+                         f"arguments: {first_line(err)}"
                          ) from err
     fn, args, kwargs = call.fn, call.args, {}
     try:

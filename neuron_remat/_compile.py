@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 
+from ._format import first_line
 from ._jaxpr import _aval_bytes
 from .policies import RegexPolicy
 
@@ -57,8 +58,8 @@ def compile_named(build: Callable[[], Any], args: Sequence[Any], what: str) -> _
     try:
         return _compile(build(), args)
     except Exception as err:  # noqa: BLE001  the user's step, failing as it will
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise CompileFailedError(f"{what} failed with {type(err).__name__}: {first}") from err
+        raise CompileFailedError(f"{what} failed with {type(err).__name__}: "
+                                 f"{first_line(err)}") from err
 
 
 def _jitted(step: Any) -> Any:

@@ -21,6 +21,13 @@ def grid(rows: list[tuple[str, ...]]) -> list[str]:
     return out
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message ('' when it has none): what a one-line
+    report quotes of someone else's error."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else ""
+
+
 def plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 

@@ -24,6 +24,7 @@ from jax.extend import core as jcore
 
 from . import _jaxpr, _trace
 from ._compile import _jitted
+from ._format import first_line
 from ._jax_compat import is_name_primitive, remat3_off, save_only_these_names
 from .graph import LayerGraph
 
@@ -53,8 +54,7 @@ def _holds_a_tag(eqn: Any) -> bool:
     """Whether `eqn` is a tag, or holds one in a jaxpr of its own (a scan's body, a
     call's): what depends on its inputs then reaches a tag."""
     return is_name_primitive(eqn.primitive) or any(
-        is_name_primitive(e.primitive) for sub, _ in _jaxpr._sub_jaxprs(eqn)
-        for e, _ in _jaxpr._walk(sub))
+        _trace._tags_in(sub) for sub, _ in _jaxpr._sub_jaxprs(eqn))
 
 
 def _cotangent_count(body: Any) -> int:
@@ -209,9 +209,9 @@ def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
         try:
             closed = jax.make_jaxpr(_jitted(make_step(save_only_these_names())))(*args)
         except Exception as err:  # noqa: BLE001  the user's step, failing as it will
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
             raise StepTraceError(
-                f"make_step(policy)(*args) raised {type(err).__name__} when traced: {first} "
+                f"make_step(policy)(*args) raised {type(err).__name__} when traced: "
+                f"{first_line(err)} "
                 "(make_step takes a JAX remat policy and returns the training step, which "
                 "is called with the args given)") from err
     layers = [_layer_backward(body, m) for body, m in _remat_bodies(closed.jaxpr)]

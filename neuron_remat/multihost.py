@@ -36,6 +36,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from ._format import first_line
+
 __all__ = [
     "AGREEMENT_TIMEOUT_ENV",
     "PolicyMismatchError",
@@ -243,7 +245,7 @@ def agree(policy: Any, prevent_cse: bool | None, *, what: str,
             raise PolicyMismatchError(
                 f"neuron_remat: process {me} could not publish its remat policy for {what} "
                 f"to JAX's distributed runtime ({type(err).__name__}: "
-                f"{_first_line(err)})") from None
+                f"{first_line(err)})") from None
         answers = {me: mine}
         deadline = time.monotonic() + wait
         for other in range(count):
@@ -274,7 +276,7 @@ def _read(client: Any, key: str, other: int, count: int, me: int, what: str, ask
                 f"policy for {what} within {wait:g} s (this is process {me}), nor was it "
                 "seen resolving anything else; every process must resolve the same layers "
                 f"in an SPMD program. Raise {AGREEMENT_TIMEOUT_ENV} if it is only slow. "
-                f"({type(last).__name__}: {_first_line(last)})") from None
+                f"({type(last).__name__}: {first_line(last)})") from None
         elsewhere = _elsewhere(client, other)
         if elsewhere != seen:
             seen, since = elsewhere, now
@@ -318,10 +320,6 @@ def _asked_otherwise(other: int, me: int, what: str, asked: str,
 
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
-
-
-def _first_line(err: BaseException) -> str:
-    return str(err).splitlines()[0] if str(err) else ""
 
 
 def _compare(answers: Mapping[int, str], what: str, me: int) -> None:
