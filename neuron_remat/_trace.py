@@ -77,15 +77,23 @@ def _inner(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
     return None
 
 
+def _carry_update(body: Any, nk: int, which: Sequence[bool]) -> tuple[set[Any], list[Any]]:
+    """What a scan body's carry updates read: for the carries `which` picks, every
+    variable their update depends on, and the equations that compute it (last first)."""
+    need = {v for v, w in zip(body.outvars[:nk], which) if w and not isinstance(v, jc.Literal)}
+    eqns = []
+    for e in reversed(body.eqns):
+        if any(o in need for o in e.outvars):
+            need.update(a for a in e.invars if not isinstance(a, jc.Literal))
+            eqns.append(e)
+    return need, eqns
+
+
 def _tangent_update_reads(body: Any, nc: int, nk: int, carry_unk: Sequence[bool],
                           ins_unk: Sequence[bool]) -> bool:
     """Whether a scan body's unknown (tangent) carries are updated from unknown consts
     or scanned inputs: the layer's differentiated weights or inputs feed the loop."""
-    need = {v for v, u in zip(body.outvars[:nk], carry_unk)
-            if u and not isinstance(v, jc.Literal)}
-    for e in reversed(body.eqns):
-        if any(o in need for o in e.outvars):
-            need.update(a for a in e.invars if not isinstance(a, jc.Literal))
+    need, _ = _carry_update(body, nk, carry_unk)
     return any(v in need and ins_unk[i] for i, v in enumerate(body.invars)
                if not nc <= i < nc + nk)
 
@@ -298,14 +306,9 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
         # So each iteration's carry is a value recomputed from the initial carry and what
         # the update reads, at the update's work times the length.
         # Only the known carries: an unknown (tangent) carry's update is the backward's.
-        need = {v for v, u in zip(body.outvars[:nk], carry_unk)
-                if not u and not isinstance(v, jc.Literal)}
-        chain = 0
-        for e in reversed(body.eqns):
-            if any(o in need for o in e.outvars):
-                need.update(a for a in e.invars if not isinstance(a, jc.Literal))
-                chain += eqn_flops(e) + sum(eqn_flops(s) * m for sub, mm in _sub_jaxprs(e)
-                                            for s, m in _walk(sub, mm))
+        need, chain_eqns = _carry_update(body, nk, [not u for u in carry_unk])
+        chain = sum(eqn_flops(e) + sum(eqn_flops(s) * m for sub, mm in _sub_jaxprs(e)
+                                       for s, m in _walk(sub, mm)) for e in chain_eqns)
         update_reads = [n for i, (v, n) in enumerate(zip(body.invars, ins))
                         if v in need and not nc <= i < nc + nk and n is not None]
         if _tangent_update_reads(body, nc, nk, carry_unk, [n in unk for n in ins]):
