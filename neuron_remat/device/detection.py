@@ -37,7 +37,7 @@ class _Probe:
     chips: int | None = None
     cores: int | None = None  # logical cores as the probe counted them
     lnc: int | None = None
-    hbm: int | None = None
+    chip_memory: int | None = None  # bytes of HBM per chip (neuron-ls's memory_size)
     device_kind: str | None = None
     provisional: bool = False  # the family could be another with the same signature
 
@@ -157,7 +157,7 @@ def _probe_neuron_ls(root: str, environ: Mapping[str, str], timeout: float,
         "neuron-ls", f"{len(chips)} devices, nc_count {nc[0]}, memory_size {mem}, LNC {lnc}"))
     return _Probe(family=family, chips=len(chips), cores=sum(nc), lnc=lnc,
                   provisional=family == "trn1",  # 32 GiB per device: Trn1 or Inf2
-                  hbm=mem // nc[0] if nc[0] else None)
+                  chip_memory=mem or None)
 
 
 def _probe_dmi(root: str, notes: list[Evidence]) -> _Probe | None:
@@ -291,7 +291,15 @@ def _detect(root: str, env: Mapping[str, str], use_jax: bool, timeout: float) ->
     # Later evidence fills what earlier evidence left open; it never overrides a family
     # (but for telling Inf2 from Trn1, above).
     instance = next((p.instance for _, p in probes if p.instance and p.instance.family == family), None)
-    lnc = next((p.lnc for _, p in probes if p.lnc is not None), None)
+    lnc = None
+    for step, p in probes:  # the machine's report: a value the chip cannot have is noted
+        if p.lnc is None:
+            continue
+        if p.lnc in CHIPS[family].lnc_options:
+            lnc = p.lnc
+            break
+        notes.append(Evidence(step, f"LNC {p.lnc} ignored: {family} has "
+                                    f"{_lnc_choices(family)}"))
     env_lnc = _lnc_from_env(env, family)
     if lnc is None:
         lnc = env_lnc
@@ -302,7 +310,16 @@ def _detect(root: str, env: Mapping[str, str], use_jax: bool, timeout: float) ->
     chips = next((p.chips for _, p in probes if p.chips), None)
     per_chip = CHIPS[family].cores_per_chip(lnc)
     total = chips * per_chip if chips else (instance.chips * per_chip if instance else None)
-    hbm = next((p.hbm for _, p in probes if p.hbm), None)
+    hbm = None
+    memory = next(((step, p) for step, p in probes if p.chip_memory
+                   and (p.family == family or p.provisional)), None)
+    if memory is not None:  # per chip: split over the cores the resolved LNC gives
+        step, p = memory
+        hbm = p.chip_memory // per_chip
+        if p.cores and chips and p.cores != chips * per_chip:
+            notes.append(Evidence(step, f"{p.cores} cores counted on {chips} chips, but "
+                                        f"{family} at LNC {lnc} has {per_chip} per chip; "
+                                        f"HBM per core is the chip's over {per_chip}"))
     kind = jax_probe.device_kind if jax_probe else None
     if jax_probe is not None and jax_probe.cores:
         cores = jax_probe.cores  # the runtime has already applied the visible-core variables
@@ -319,6 +336,12 @@ def _detect(root: str, env: Mapping[str, str], use_jax: bool, timeout: float) ->
             notes.append(Evidence("env", visible_note))
     return _spec(family, instance=instance, lnc=lnc, source=source, chips=chips, cores=cores,
                  hbm=hbm, device_kind=kind, evidence=_mark_decided(notes, source))
+
+
+def _lnc_choices(family: str) -> str:
+    options = CHIPS[family].lnc_options
+    return ("no logical-core configuration" if not options
+            else "LNC " + " or ".join(map(str, options)))
 
 
 def _mark_decided(notes: list[Evidence], step: str) -> tuple[Evidence, ...]:

@@ -195,6 +195,32 @@ def test_neuron_ls_in_opt_aws_neuron_bin(tmp_path):
         "neuron-ls", 1, 8, 12 * GiB)
 
 
+@pytest.mark.parametrize(("memory", "nc", "lnc", "family"), [
+    (32 * GiB, 2, 1, "trn1"),   # Trn1 has no logical-core configuration
+    (96 * GiB, 4, 0, "trn2"),   # Trn2's are 1 and 2
+])
+def test_neuron_ls_lnc_the_chip_cannot_have_is_noted_not_raised(tmp_path, memory, nc, lnc,
+                                                                family):
+    dev_nodes(tmp_path, 16)
+    bindir = neuron_ls(tmp_path / "bin", nc=nc, memory=memory, lnc=lnc)
+    spec = dev.detect(root=str(tmp_path), environ=env(PATH=str(bindir)), use_jax=False)
+    # trn1: 2 physical cores of 16 GiB per chip; trn2: its default LNC=2, 4 x 24 GiB
+    assert (spec.family, spec.lnc, spec.cores, spec.hbm_bytes_per_core) == (
+        family, None if family == "trn1" else 2, 16 * nc, 16 * GiB if family == "trn1"
+        else 24 * GiB)
+    assert any(e.step == "neuron-ls" and f"LNC {lnc} ignored" in e.found for e in spec.evidence)
+
+
+def test_neuron_ls_hbm_per_core_follows_its_lnc_not_its_core_count(tmp_path):
+    # A report whose core count disagrees with its LNC: 96 GiB over LNC=2's 4 cores is 24 GiB
+    # (96 / 8 = 12 GiB would leave half the chip unplanned); the disagreement is noted.
+    dev_nodes(tmp_path, 16)
+    bindir = neuron_ls(tmp_path / "bin", nc=8, lnc=2)
+    spec = dev.detect(root=str(tmp_path), environ=env(PATH=str(bindir)), use_jax=False)
+    assert (spec.lnc, spec.cores, spec.hbm_bytes_per_core) == (2, 64, 24 * GiB)
+    assert any("128 cores counted on 16 chips" in e.found for e in spec.evidence)
+
+
 def test_neuron_ls_not_run_without_device_nodes(tmp_path):
     bindir = neuron_ls(tmp_path / "bin")
     spec = dev.detect(root=str(tmp_path), environ=env(PATH=str(bindir)))
