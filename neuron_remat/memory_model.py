@@ -293,13 +293,14 @@ def head_bytes(config: TransformerConfig, shape: StepShape, parallelism: Paralle
 def budget(device: DeviceSpec, config: TransformerConfig, shape: StepShape,
            parallelism: Parallelism | None = None,
            reserve: float | int | None = None) -> Budget:
-    """What each layer may keep on one core of `device` (see `Budget`)."""
+    """What each layer may keep on one core of `device` (see `Budget`); `parallelism`
+    defaults to FSDP over every core of one host (``Parallelism(fsdp=-1)``)."""
     if not device.hbm_bytes_per_core:
         raise ValueError(
             f"device {device.family!r} has no HBM figure; plan for a Neuron device "
             "(device=from_instance_type('trn2.48xlarge'), NEURON_REMAT_DEVICE=...) or pass "
             "budget_bytes= with a footprint")
-    par = (parallelism or Parallelism()).resolve(device)
+    par = (parallelism or Parallelism(fsdp=-1)).resolve(device)
     par.check(config, shape)
     state = model_state_bytes(config, shape, par)
     graph = layer_graph(config, shape, par)

@@ -187,7 +187,8 @@ def plan(
     the least recompute.
 
     `config` and `shape` describe the model and one step; `parallelism` how it is split
-    (default: `Parallelism()` resolved on the device); `device` is detected when None. The
+    (default: FSDP over every core of one host, ``Parallelism(fsdp=-1)``, as the plugin
+    assumes without one); `device` is detected when None. The
     budget is what one layer may keep on one core once the state, the reserve (`reserve`,
     a fraction of HBM or bytes) and the step's workspace are held (`memory_model.budget`);
     `budget_bytes` overrides it. For a footprint you measured or traced, use
@@ -239,7 +240,7 @@ def plan(
     # flash-attention tag, so attention is recomputed under any names policy).
     config = dataclasses.replace(config, tags=models.host_tags(config.tags, device))
     notes = list(models.shape_notes(config, shape))
-    par = (parallelism or models.Parallelism()).resolve(device)
+    par = (parallelism or models.Parallelism(fsdp=-1)).resolve(device)
     bud = mm.budget(device, config, shape, par, reserve=reserve)
     fp = mm.layer_footprint(config, shape, par)
     per_layer_bytes = bud.per_layer_bytes if budget_bytes is None else int(budget_bytes)

@@ -112,6 +112,17 @@ def test_api_takes_a_device_string_and_a_model_name():
     assert by_string.budget_bytes_per_layer == by_objects.budget_bytes_per_layer
 
 
+def test_plan_without_a_parallelism_is_fsdp_over_the_hosts_cores():
+    # trn2.48xlarge: 16 chips x 4 logical cores at LNC=2 = 64 cores on one host
+    shape = nr.StepShape(seq_len=4096)
+    plan = nr.plan("trn2.48xlarge", "llama3-8b", shape)
+    explicit = nr.plan("trn2.48xlarge", "llama3-8b", shape, nr.Parallelism(fsdp=64))
+    assert plan.saved_tags == explicit.saved_tags
+    assert plan.budget_bytes_per_layer == explicit.budget_bytes_per_layer
+    assert nr.memory_model.budget(nr.parse_device("trn2.48xlarge"), nr.get_model("llama3-8b"),
+                                  shape).per_layer_bytes == explicit.budget_bytes_per_layer
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda: nr.from_instance_type(None), r"instance type None \(NoneType\) is not a name"),
     (lambda: nr.get_model(3), r"model 3 \(int\) is not a name"),
