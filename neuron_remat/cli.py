@@ -594,8 +594,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--candidates", type=_candidates, help="comma-separated tags or roles to consider")
     pl.add_argument("--objective", choices=_OBJECTIVES,
                     help="what the plan minimises: recompute time (roofline over the "
-                         "device's engine rates; the default on a Neuron device) or FLOPs "
-                         "(the default elsewhere)")
+                         "device's engine rates; the default on TRN2, whose rates are known) "
+                         "or FLOPs (the default elsewhere)")
     pl.add_argument("--per-layer", action="store_true",
                     help="also plan the optimal mix of save sets over the layers")
     pl.add_argument("--max-sets", type=_max_sets, default=2, metavar="N",

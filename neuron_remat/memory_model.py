@@ -48,6 +48,7 @@ from typing import Any
 
 from . import _analytic
 from ._analytic import FLASH_BLOCK, flash_forward_flops, flash_score_elements  # noqa: F401
+from ._format import fmt_bytes
 from .device import GiB, DeviceSpec
 from .graph import Footprint, LayerGraph, TagCost
 from .models import Parallelism, StepShape, TransformerConfig, dtype_bytes
@@ -282,6 +283,10 @@ def reserve_bytes(device: DeviceSpec, reserve: float | int | None = None) -> int
             isinstance(reserve, float) and reserve >= 1):
         raise ValueError(f"reserve={reserve!r}: give a fraction of HBM in [0, 1) as a float, "
                          "or bytes as an int")
+    if isinstance(reserve, int) and hbm and reserve >= hbm:
+        raise ValueError(f"reserve={reserve!r} bytes ({fmt_bytes(reserve)}) is not less than "
+                         f"the {fmt_bytes(hbm)} of HBM per core of {device.family}; give less, "
+                         "or a fraction of HBM in [0, 1)")
     return int(reserve * hbm) if isinstance(reserve, float) else int(reserve)
 
 

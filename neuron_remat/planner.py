@@ -373,9 +373,15 @@ def _choose(fp: mm.Footprint, per_layer: int, candidates: Iterable[str] | None, 
             others = ", ".join(o for o in mine.tags if o != t)
             decisions[t] = (f"saved with {others} ({mine.shared}): "
                             f"{mine.flops_per_byte:.3g} FLOP/B together")
+        elif t in best.tags and not cost.bytes:
+            decisions[t] = "saved: free to keep"
+        elif t in best.tags and obj == "time":
+            assert rts is not None
+            decisions[t] = (f"saved: {1e6 * _time_saved(cost_fp, (t,)):.3g} us of recompute "
+                            f"for {1e6 * 2 * cost.bytes / rts.hbm_bytes_per_s:.3g} us to "
+                            "write and read it")
         elif t in best.tags:
-            decisions[t] = (f"saved: {cost.recompute_flops / cost.bytes:.3g} FLOP/B"
-                            if cost.bytes else "saved: free to keep")
+            decisions[t] = f"saved: {cost.recompute_flops / cost.bytes:.3g} FLOP/B"
         else:
             group = next((g for g in paying if t in g.tags), None)
             adding = best.tags + ((t,) if group is None else tuple(
@@ -616,6 +622,11 @@ def _no_fit_message(full_kept: int, per_layer: int, bud: mm.Budget | None,
                 f"{fmt_bytes(bud.workspace_bytes)} = {fmt_bytes(bud.available_bytes)} for "
                 f"{bud.layers_per_core} layers x {bud.inflight} in flight)")
     hints = []
+    usual = int(mm.DEFAULT_RESERVE_FRACTION * bud.hbm_bytes) if bud is not None else 0
+    if bud is not None and bud.reserve_bytes - usual >= -bud.available_bytes > 0:
+        # a reserve above the default's 10% that alone leaves nothing for activations
+        hints.append(f"lower the reserve (now {fmt_bytes(bud.reserve_bytes)}, "
+                     f"{bud.reserve_bytes / bud.hbm_bytes:.0%} of HBM)")
     if bud is not None and bud.state.total_bytes > bud.hbm_bytes // 2:
         hints.append("shard the model state further (more fsdp, tp or hosts, or zero1)")
     # doubling tp takes cores from fsdp x dp: only where those have two to give
@@ -677,13 +688,17 @@ def _timed_footprint(fp: mm.Footprint, rates: EngineRates | None) -> mm.Footprin
                         no_remat_bytes=fp.no_remat_bytes, groups=())
 
 
+def _time_saved(cost_fp: mm.Footprint, tags: Sequence[str]) -> float:
+    """Seconds of recompute saving `tags` saves, on a `_timed_footprint`."""
+    return (cost_fp.evaluate(())[1] - cost_fp.evaluate(tags)[1]) / PICOSECONDS
+
+
 def _time_pays(cost_fp: mm.Footprint, tags: Sequence[str], nbytes: int,
                rates: EngineRates | None) -> tuple[bool, str]:
     """Whether saving `tags` saves more recompute time than writing and reading their
     `nbytes` costs, and why not."""
     assert rates is not None
-    base = cost_fp.evaluate(())[1]
-    saved = (base - cost_fp.evaluate(tags)[1]) / PICOSECONDS
+    saved = _time_saved(cost_fp, tags)
     moving = 2 * nbytes / rates.hbm_bytes_per_s
     if saved <= 0:
         return False, "saving it saves no recompute time" + (

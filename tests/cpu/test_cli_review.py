@@ -185,3 +185,40 @@ def test_an_invalid_unknown_config_gives_its_error_alone(tmp_path, capsys, caplo
         msg = _one_line_error(["plan", "--model", str(path)], capsys)
     assert "lacks num_hidden_layers" in msg
     assert not [r for r in caplog.records if "Llama-like" in r.getMessage()]
+
+
+def test_a_reserve_of_the_whole_hbm_is_bad_input(capsys):
+    # trn2 at LNC=2: 24 GiB per core; 30 GiB cannot be held back from it
+    spec = nr.parse_device("trn2.48xlarge")
+    with pytest.raises(ValueError, match=r"reserve=32212254720 bytes \(30 GiB\) is not less "
+                                         r"than the 24 GiB of HBM per core"):
+        nr.memory_model.reserve_bytes(spec, 30 << 30)
+    assert main(["plan", "--model", "llama3-8b", "--reserve", "30GiB"]) == 2
+    assert "is not less than the 24 GiB" in capsys.readouterr().err
+
+
+def test_no_fit_advice_names_a_reserve_that_alone_leaves_nothing():
+    # 95% of 24 GiB held back: more than the 10% default by more than the shortfall
+    with pytest.raises(nr.NoFitError, match=r"To fit: lower the reserve \(now 22\.8 GiB, 95% "
+                                            r"of HBM\)"):
+        nr.plan("trn2.48xlarge", "llama3-8b", nr.StepShape(seq_len=8192),
+                nr.Parallelism(tp=4, sequence_parallel=True, fsdp=-1), reserve=0.95)
+
+
+def test_under_the_time_objective_the_why_is_in_time():
+    # llama3-8b, seq 4096, FSDP only: q_proj recomputes 2 x 4096 x 4096 x 4096 = 137.4 GFLOP;
+    # a logical core at LNC=2 is two physical cores of 79 TFLOP/s: 137.4e9 / 158e12 = 870 us.
+    # It keeps 4096 x 4096 x 2 B = 32 MiB, written and read at 2 x 362.5 GB/s: 92.6 us.
+    plan = nr.plan("trn2.48xlarge", "llama3-8b", nr.StepShape(seq_len=4096), objective="time")
+    why = {d.tag: d.reason for d in plan.decisions}
+    assert why["q_proj"] == "saved: 870 us of recompute for 92.6 us to write and read it"
+
+
+def test_every_name_the_readme_calls_on_the_package_exists():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    # `nr.X` calls, and the config loaders the README names bare beside them
+    named = set(re.findall(r"\bnr\.(\w+)", text)) | {"load_hf_config", "from_hf_config"}
+    assert sorted(n for n in named if not hasattr(nr, n)) == []
