@@ -130,7 +130,12 @@ class CompiledFit:
     the backend had no ``memory_analysis()`` and `bytes` is the uncalibrated model's.
     `stop` says why the search ended: the budget was spent, no set that recomputes less
     was plausibly within the limit, the bisection converged, and so on (the plan's
-    ``"search: ..."`` note says the same)."""
+    ``"search: ..."`` note says the same).
+
+    `bytes`, `flops` and `recompute_flops` are always `Plan.policy`'s compile (one policy
+    on every layer, for hosts that take one). Where `fit(per_layer=True)` returns a mix
+    (`Plan.layer_policies`), `mix_bytes`, `mix_flops` and `mix_recompute_flops` are that
+    mixed step's compile (its recompute as XLA counts it); None otherwise."""
 
     hbm_bytes: int
     reserve_bytes: int
@@ -150,11 +155,21 @@ class CompiledFit:
     measured: bool = True
     stop: str = ""
     scale: float = 1.0  # compiled bytes per kept byte (as stored), fitted
+    mix_bytes: int | None = None
+    mix_flops: float | None = None
+    mix_recompute_flops: float | None = None
 
     @property
     def overhead(self) -> float:
         """Recompute as a fraction of the step without remat (every layer counted)."""
         return self.recompute_flops / self.step_flops if self.step_flops else float("nan")
+
+    @property
+    def mix_overhead(self) -> float | None:
+        """The per-layer mix's recompute as a fraction of the step (None: no mix)."""
+        if self.mix_recompute_flops is None:
+            return None
+        return self.mix_recompute_flops / self.step_flops if self.step_flops else float("nan")
 
 
 # --------------------------------------------------------------------------------------
@@ -558,6 +573,11 @@ def fit_table(plan: Plan) -> str:
         f"{fmt_bytes(rec.bytes)} of {fmt_bytes(rec.limit_bytes)} (HBM "
         f"{fmt_bytes(rec.hbm_bytes)} - reserve {fmt_bytes(rec.reserve_bytes)}), recompute "
         f"{100 * rec.overhead:.2f}% of the step, {rec.compiles} compiles")
+    if rec.mix_bytes is not None and rec.mix_overhead is not None:
+        lines.append(
+            f"fit: per-layer mix (Plan.layer_policies, as listed below): compiled "
+            f"{fmt_bytes(rec.mix_bytes)} of {fmt_bytes(rec.limit_bytes)}, recompute "
+            f"{100 * rec.mix_overhead:.2f}% of the step")
     lines.append(
         f"model: {rec.fixed_bytes / 2**20:.3f} MiB intercept + {rec.scale:.3g} x kept "
         f"residuals of {rec.layers} layers (as the backend stores them) "

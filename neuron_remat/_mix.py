@@ -233,11 +233,11 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
             f"{fmt_bytes(rec.limit_bytes)})"))
         record = dataclasses.replace(rec, probes=tuple(probes), compiles=len(probes))
         if not c.over(rec.limit_bytes):
-            # The plan's compiled figures are the mixed step's, the one it hands out; its
-            # recompute is the mix's as XLA counts it (`_mix_sets`: a rolled scan's FLOPs
-            # count one body per scan).
-            record = dataclasses.replace(record, bytes=int(c.bytes), flops=c.flops,
-                                         recompute_flops=cost)
+            # The compiled figures stay `Plan.policy`'s (the uniform set, for hosts that
+            # take one policy); the mixed step's are its own, with its recompute as XLA
+            # counts it (`_mix_sets`: a rolled scan's FLOPs count one body per scan).
+            record = dataclasses.replace(record, mix_bytes=int(c.bytes), mix_flops=c.flops,
+                                         mix_recompute_flops=cost)
             return dataclasses.replace(
                 uniform, layer_mix=mix, layer_policies=per, compiled=record,
                 notes=(*uniform.notes, f"per-layer mix compiled to {fmt_bytes(c.bytes)} "

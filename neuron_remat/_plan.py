@@ -117,8 +117,11 @@ class Plan:
     recompute_seconds_per_layer: float | None = None
     forward_seconds_per_layer: float | None = None
     # per_layer=True: the optimal mix of save sets over the layers. The fields above stay
-    # those of the best uniform set (for hosts that take one policy); `layer_policies` has
-    # one policy per layer (layer order), None when the best mix is uniform.
+    # those of the best uniform set (for hosts that take one policy; `fit`'s `compiled`
+    # bytes and FLOPs too, the mixed step's in its `mix_*` fields); `layer_policies` has
+    # one policy per layer (layer order), None when the best mix is uniform. Where `fit`
+    # returns a mix, the uniform set's `recompute_flops_per_layer` and the mix's are both
+    # as XLA counts them (a compiled set's FLOPs less no remat's), so that they compare.
     layer_mix: tuple[LayerMix, ...] = ()
     layer_policies: tuple[RegexPolicy, ...] | None = None
 

@@ -39,13 +39,17 @@ def test_fit_per_layer_confirms_the_mix_by_compiling_it():
     dev = nr.parse_device(f"trn2:hbm={limit}B:cores=1")
     plan = nr.fit(make_step, params, x, device=dev, reserve=0, per_layer=True)
     assert plan.compiled.bytes <= limit
+    # the plan's compiled figure is its one policy's, compiled independently here
+    assert compiled_bytes(plan.policy) == plan.compiled.bytes
     if plan.layer_policies is not None:
         assert any(isinstance(p, tuple) and len(p) == CFG.layers for p in seen)
         mixed = plan.compiled.probes[-1]
         assert mixed.label == "per-layer mix"
-        # the confirmed figure is XLA's, compiled independently here
-        assert compiled_bytes(plan.layer_policies) == mixed.bytes <= limit
+        # the mix's confirmed figure is XLA's, compiled independently here
+        assert compiled_bytes(plan.layer_policies) == mixed.bytes == plan.compiled.mix_bytes
+        assert mixed.bytes <= limit
     else:
+        assert plan.compiled.mix_bytes is None
         assert any("per-layer" in n for n in plan.notes) or len(plan.layer_mix) == 1
 
 
@@ -138,7 +142,9 @@ def test_a_mix_compiled_over_the_limit_is_chosen_again_with_its_miss_reserved():
     mixes = [p for p in plan.compiled.probes if p.label == "per-layer mix"]
     assert len(mixes) >= 2 and mixes[0].bytes > limit, (plan.notes, mixes)
     assert plan.layer_policies is not None, plan.notes
-    assert total(make(plan.layer_policies)) == plan.compiled.bytes == mixes[-1].bytes <= limit
+    assert total(make(plan.layer_policies)) == plan.compiled.mix_bytes == mixes[-1].bytes
+    assert mixes[-1].bytes <= limit
+    assert total(make(plan.policy)) == plan.compiled.bytes <= limit  # the uniform policy's
     # chosen again with the miss reserved: the last mix's prediction (the reserve
     # included) is within the limit, and the reserve is the first mix's miss
     assert mixes[-1].predicted_bytes <= limit
