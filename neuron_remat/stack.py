@@ -32,6 +32,26 @@ def policy_runs(policies: Sequence[Any]) -> list[tuple[int, int, Any]]:
     return runs
 
 
+def _layer_count(jax: Any, stacked_params: Any) -> int:
+    """The stacked layers: every leaf's leading axis, which must agree."""
+    counts = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(stacked_params)[0]:
+        shape = getattr(leaf, "shape", None)
+        name = f"stacked_params{jax.tree_util.keystr(path)}"
+        if shape is None or len(shape) == 0:
+            what = "no shape" if shape is None else "shape ()"
+            raise ValueError(f"scan_layers: {name} is a {type(leaf).__name__} with {what}; "
+                             "every leaf needs a leading layer axis (the layers' parameters "
+                             "stacked)")
+        counts.append((int(shape[0]), name, tuple(shape)))
+    n, first, first_shape = counts[0]
+    for m, name, shape in counts[1:]:
+        if m != n:
+            raise ValueError(f"scan_layers: {name} has shape {shape} but {first} has "
+                             f"{first_shape}; every leaf needs the same leading layer axis")
+    return n
+
+
 def scan_layers(layer_fn: Callable[[Any, Any], Any], stacked_params: Any, x: Any,
                 policies: Sequence[Any] | Any, *, prevent_cse: bool = False,
                 unroll: int | bool = 1) -> Any:
@@ -50,14 +70,22 @@ def scan_layers(layer_fn: Callable[[Any, Any], Any], stacked_params: Any, x: Any
     if not leaves:
         raise ValueError("stacked_params has no arrays: give the layers' parameters stacked "
                          "on a leading axis")
-    n = int(leaves[0].shape[0])
-    if isinstance(policies, (list, tuple)):
-        if len(policies) != n:
-            raise ValueError(f"policies has {len(policies)} entries for {n} stacked layers; "
-                             "give one policy per layer, or a single policy")
+    n = _layer_count(jax, stacked_params)
+    listed = isinstance(policies, (list, tuple)) or (
+        hasattr(policies, "shape") and hasattr(policies, "tolist"))  # a numpy object array
+    if listed:
         per = list(policies)
+        if len(per) != n:
+            raise ValueError(f"policies has {len(per)} entries for {n} stacked layers; "
+                             "give one policy per layer, or a single policy")
     else:
         per = [policies] * n
+    for i, p in enumerate(per):
+        if not (p is None or callable(p) or (isinstance(p, str) and p == NO_REMAT)):
+            where = f"policies[{i}]" if listed else "policies"
+            raise ValueError(f"scan_layers: {where}={p!r} ({type(p).__name__}) is not a remat "
+                             f"policy; give a JAX policy (a callable, e.g. a Plan's), None "
+                             f"(full remat) or {NO_REMAT!r} (no jax.checkpoint)")
 
     runs = policy_runs(per)
     sizes = tuple(stop - start for start, stop, _ in runs)

@@ -205,6 +205,30 @@ def test_scan_layers_keeps_what_each_run_says():
         nr.scan_layers(lay, params, x, mixed[:3])
 
 
+@pytest.mark.parametrize(("params", "policies", "match"), [
+    ({"w": np.ones((3, 4, 4))}, (None, "None", None),
+     r"policies\[1\]='None' \(str\) is not a remat policy"),
+    ({"w": np.ones((3, 4, 4))}, "full", r"policies='full' \(str\) is not a remat policy"),
+    ({"w": np.ones((3, 4, 4))}, 3, r"policies=3 \(int\) is not a remat policy"),
+    ({"s": np.ones((4,)), "w": np.ones((3, 4, 4))}, None,
+     r"stacked_params\['w'\] has shape \(3, 4, 4\) but stacked_params\['s'\] has \(4,\)"),
+    ({"w": 1.0}, None, r"stacked_params\['w'\] is a float with no shape"),
+])
+def test_scan_layers_refuses_what_is_not_a_policy_or_a_stack(params, policies, match):
+    # refused before tracing: without the check these ran forward and failed only under
+    # jax.grad, inside lax.scan, or with an IndexError
+    with pytest.raises(ValueError, match=match):
+        jax.grad(lambda x: nr.scan_layers(lambda h, p: jnp.tanh(h @ p["w"]), params, x,
+                                          policies).sum())(jnp.ones((2, 4)))
+
+
+def test_scan_layers_takes_a_numpy_array_of_policies():
+    pols = np.array([None, None, None], dtype=object)
+    out = nr.scan_layers(lambda h, p: h @ p["w"], {"w": np.eye(4)[None].repeat(3, 0)},
+                         jnp.ones((2, 4)), pols)
+    assert out.shape == (2, 4)
+
+
 @pytest.mark.slow
 def test_scan_layers_computes_what_the_plain_stack_computes():
     """Values and gradients of a mixed stack equal the plain stack's (one compile)."""
