@@ -204,6 +204,9 @@ def _check_options(plan_options: dict[str, Any]) -> tuple[int | None, float]:
                            or ms < 1):
         raise ValueError(f"max_sets={ms!r}: give the most distinct save sets in a per-layer "
                          "mix, an int of at least 1, or None for no limit")
+    pl = plan_options.get("per_layer", False)
+    if not isinstance(pl, (bool, np.bool_)):
+        raise ValueError(f"per_layer={pl!r}: give True or False")
     cands = plan_options.get("candidates")
     if cands is not None and not isinstance(cands, str) and not (
             isinstance(cands, (list, tuple, set, frozenset))

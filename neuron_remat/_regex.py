@@ -280,6 +280,9 @@ class SafePattern:
         try:
             holes = program.sequence(list(parsed), parsed.state.flags)
             program.patch(holes, program.emit("match"))
+        except PatternError as err:  # too many states: name the pattern
+            raise PatternError(f"regex {pattern[:60]!r}{'...' if len(pattern) > 60 else ''}: "
+                               f"{err}") from None
         except _NeedsBacktracking:
             why = _bounded_backtracking(list(parsed))
             if why is not None:

@@ -252,13 +252,14 @@ def test_a_uniform_plan_that_stands_keeps_its_figures(xla):
 
 @pytest.mark.parametrize("option,value", [("max_sets", 0), ("max_sets", -3), ("max_sets", "2"),
                                           ("max_sets", 2.5), ("max_sets", True),
-                                          ("candidates", 5), ("candidates", [1, 2])])
+                                          ("candidates", 5), ("candidates", [1, 2]),
+                                          ("per_layer", "no"), ("per_layer", 1)])
 def test_bad_per_layer_options_are_one_line_before_any_compile(option, value):
     count = [0]
     device, reserve = _device(50 * MiB)
+    options = {"per_layer": True, option: value}
     with pytest.raises(ValueError) as err:
-        nr.fit(_counting(count), *ARGS, device=device, reserve=reserve, per_layer=True,
-               **{option: value})
+        nr.fit(_counting(count), *ARGS, device=device, reserve=reserve, **options)
     assert str(err.value).startswith(f"{option}={value!r}: ") and "\n" not in str(err.value)
     assert count[0] == 0
 

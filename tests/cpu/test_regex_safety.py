@@ -59,6 +59,9 @@ def test_bounded_backtracking_patterns_are_accepted_and_exact(pattern, tag, acti
 def test_huge_counted_repeat_is_refused_not_unrolled():
     with pytest.raises(ValueError, match="NFA states"):
         pol.RegexPolicy(["(ab){3000}(cd){3000}x{9000}"])
+    # among several patterns, the error names the one at fault
+    with pytest.raises(ValueError, match=r"regex 'a\{100000\}': it makes more than"):
+        pol.RegexPolicy(["q_proj", "a{100000}"])
 
 
 # --- joining patterns --------------------------------------------------------------------
