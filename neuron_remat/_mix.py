@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._compile import Probe, _policy, compile_named
-from ._format import fmt_bytes
+from ._compile import CompileFailedError, Probe, _policy, compile_named
+from ._format import first_line, fmt_bytes
 from ._search import NO_REMAT, _Model
 from ._step import StepGraph, _pool, step_graph
 from ._plan import LayerMix, Plan
@@ -220,8 +220,18 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
             for m, (s, _) in zip(mix, sorted(chosen, key=lambda c: (c[0].cost,
                                                                      c[0].saved or ()))))
             + f", predicted {fmt_bytes(predicted + reserve)} ...")
-        c = compile_named(lambda: make_step(per), args,
-                          f"fit per layer: compile {len(probes) + 1} (a mix)")
+        try:
+            c = compile_named(lambda: make_step(per), args,
+                              f"fit per layer: compile {len(probes) + 1} (a mix)")
+        except CompileFailedError as err:
+            if attempt:  # the step ran a tuple before: this failure is the step's own
+                raise
+            # the first mix: likely a make_step that takes one policy, not a tuple of them
+            why = (f"per-layer plan: not confirmed: {first_line(err)}; for a mix make_step "
+                   f"gets a tuple of {n} policies, one per layer (run them with "
+                   "neuron_remat.scan_layers); the uniform plan stands")
+            logger.warning("neuron_remat.fit: %s", why)
+            return keep(why)
         if c.bytes is None and not c.oom:
             return keep("per-layer plan: the backend has no memory_analysis(); not confirmed")
         probes.append(Probe("per-layer mix", None, c.bytes if c.bytes is not None else -1,

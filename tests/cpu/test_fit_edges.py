@@ -235,6 +235,35 @@ def test_the_per_layer_mix_saves_only_the_candidates(xla):
         assert not isinstance(p, RegexPolicy) or not p.saves("h2")
 
 
+def test_a_make_step_that_takes_one_policy_keeps_the_uniform_plan(xla, caplog):
+    """A per-layer fit whose `make_step` hands its policy straight to ``jax.checkpoint`` (a
+    tuple of policies is not callable): the uniform plan stands, with a note and a warning
+    saying what a mix needs. With `h1` the only candidate, a mix of it and no remat is
+    tried (as in `test_the_per_layer_mix_saves_only_the_candidates`)."""
+    limit = xla[None] - (xla[None] - xla[("h1", "h2")]) // 8
+
+    def one_policy(policy):
+        def layer(x, w):
+            return jax.checkpoint(_layer, policy=policy)(x, w)
+
+        def loss(p, x):
+            return jnp.mean(jax.lax.scan(lambda h, w: (layer(h, w), None), x, p)[0] ** 2)
+
+        return jax.jit(lambda p, x: jax.tree.map(lambda a, b: a - 1e-2 * b, p,
+                                                 jax.grad(loss)(p, x)), donate_argnums=(0,))
+
+    device, reserve = _device(limit)
+    uniform = nr.fit(one_policy, *ARGS, device=device, reserve=reserve, candidates=["h1"],
+                     progress=lambda line: None)
+    with caplog.at_level("WARNING", logger="neuron_remat.fit"):
+        plan = nr.fit(one_policy, *ARGS, device=device, reserve=reserve, per_layer=True,
+                      candidates=["h1"], progress=lambda line: None)
+    assert plan.saved_tags == uniform.saved_tags and plan.layer_policies is None
+    assert "TypeError: 'tuple' object is not callable" in plan.notes[-1]
+    assert "gets a tuple of 8 policies" in plan.notes[-1]
+    assert any("the uniform plan stands" in r.getMessage() for r in caplog.records)
+
+
 def test_a_uniform_plan_that_stands_keeps_its_figures(xla):
     """When no mix is adopted, ``per_layer=True`` returns the uniform plan as fit gave it:
     the same recompute, so `Plan.overhead` is `Plan.compiled.overhead`."""
