@@ -151,8 +151,9 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
     if rec.no_remat:
         return uniform  # nothing recomputes less
     if len(graph.layers) != 1:
-        return keep(f"per-layer plan: not tried ({len(graph.layers)} kinds of checkpointed "
-                    "layer; one scanned stack is supported)")
+        return keep(f"per-layer plan: not tried ({len(graph.layers)} checkpointed layers "
+                    "that are not one scanned stack: an unrolled loop, or layers of several "
+                    "kinds; one scanned stack is supported)")
     n = graph.count
     tags = _pool(graph, candidates)
     best_tags = tuple(t for t in tags if t in uniform.saved_tags)  # as `_mix_sets` orders
