@@ -145,6 +145,8 @@ def test_a_mix_compiled_over_the_limit_is_chosen_again_with_its_miss_reserved():
     assert total(make(plan.layer_policies)) == plan.compiled.mix_bytes == mixes[-1].bytes
     assert mixes[-1].bytes <= limit
     assert total(make(plan.policy)) == plan.compiled.bytes <= limit  # the uniform policy's
+    assert (f"fit: per-layer mix (Plan.layer_policies, as listed below): compiled "
+            f"{mixes[-1].bytes / 2**20:.4g} MiB") in nr.fit_table(plan)
     # chosen again with the miss reserved: the last mix's prediction (the reserve
     # included) is within the limit, and the reserve is the first mix's miss
     assert mixes[-1].predicted_bytes <= limit
