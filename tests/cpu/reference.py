@@ -52,6 +52,20 @@ def tag_names(config: TransformerConfig) -> dict[str, str]:
     return out
 
 
+PRESET_ROLES: dict[str, tuple[str, ...]] = {
+    "trn2-fuji-70b": ("q_proj", "k_proj", "v_proj", "linear1_0", "linear1_1"),
+    "native-attention": ("q_proj", "k_proj", "v_proj", "context", "o_proj"),
+    "qkv-proj": ("q_proj", "k_proj", "v_proj"),
+    "feed-forward": ("linear1_0", "linear1_1", "linear2"),
+    "full": (),
+    "none": ("input", "q_proj", "k_proj", "v_proj", "context", "o_proj", "linear1_0",
+             "linear1_1", "linear2"),
+}
+"""The roles of this layer each preset saves, read by hand off the presets' documented
+patterns (``.*[kqv]_proj``, ``.*linear1_[01]`` and so on; README's preset list), so that a
+test's expectation does not come from the policy under test."""
+
+
 def init_layer(key: jax.Array, config: TransformerConfig, dtype: Any = jnp.float32, *,
                fused_qkv: bool = False) -> Params:
     """Parameters of one layer; ``fused_qkv=True`` gives one ``wqkv`` weight instead of

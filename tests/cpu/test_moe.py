@@ -12,9 +12,10 @@ import pytest
 from jax.ad_checkpoint import checkpoint_policies
 
 import neuron_remat as nr
-from neuron_remat import _jaxpr, models, moe
+from neuron_remat import models, moe
 from neuron_remat import memory_model as mm
 import reference_moe as rm
+from xla_figures import jax_kept_bytes
 from neuron_remat.cli import main
 
 # Tiny layers, float32 (XLA's CPU backend stores bfloat16 as float32). Capacity factor
@@ -57,8 +58,7 @@ def inputs(cfg, kind, layers=None):
 
 
 def kept_bytes(fn, x, p):
-    res = _jaxpr.residuals(fn, (x, p))
-    return sum(r.bytes for r in res if r.kind != "argument" or r.argnum == 0)
+    return jax_kept_bytes(fn, (x, p))
 
 
 def tag_sets(names):
@@ -217,8 +217,7 @@ def test_mixed_footprint_per_layer_bytes_equal_jax_over_both_layers(saved):
     policy = checkpoint_policies.save_only_these_names(*_mixed_names(fp, saved))
     first = jax.checkpoint(lambda x, p: rm.layer(x, p, MIXED, "dense"), policy=policy)
     second = jax.checkpoint(lambda x, p: rm.layer(x, p, MIXED, "moe"), policy=policy)
-    res = _jaxpr.residuals(lambda x, a, b: second(first(x, a), b), (x, dense, moe_params))
-    measured = sum(r.bytes for r in res if r.kind != "argument" or r.argnum == 0)
+    measured = jax_kept_bytes(lambda x, a, b: second(first(x, a), b), (x, dense, moe_params))
     assert 2 * fp.evaluate(saved)[0] == measured
 
 

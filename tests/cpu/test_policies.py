@@ -231,7 +231,7 @@ def test_native_attention_recomputes_five_fewer_dots(layer_args):
 def test_preset_saves_what_literal_names_save(layer_args, name):
     x, params = layer_args
     policy = pol.preset(name)
-    literal = [t for t in NAMES.values() if policy.action(t) == "save"]
+    literal = [NAMES[r] for r in ref.PRESET_ROLES[name]]  # written by hand
     # JAX's own names policy, which both remat implementations honour (remat3 ignores the
     # closure save_and_offload_only_these_names returns).
     jax_policy = checkpoint_policies.save_only_these_names(*literal)

@@ -22,9 +22,10 @@ from jax.ad_checkpoint import checkpoint_name, checkpoint_policies
 from neuron_remat._jax_compat import saved_residuals
 
 import neuron_remat as nr
-from neuron_remat import _jaxpr, _trace, graph as gr, memory_model as mm, models, planner
+from neuron_remat import _trace, graph as gr, memory_model as mm, models, planner
 from neuron_remat import policies as pol
 import reference as ref
+from xla_figures import jax_kept_bytes
 
 CFG = models.TransformerConfig(hidden=64, heads=4, kv_heads=2, ffn=256, layers=2, vocab=64,
                                name="tiny-gqa")
@@ -80,8 +81,7 @@ def _call(variant, order):
 
 def _activation_bytes(fn, args, act):
     """What JAX keeps for the backward, parameters excluded."""
-    res = _jaxpr.residuals(fn, args)
-    return sum(r.bytes for r in res if r.kind != "argument" or r.argnum == act)
+    return jax_kept_bytes(fn, args, act)
 
 
 def _replayed(fn, args):

@@ -36,3 +36,23 @@ def measure(step: Any, args: Any) -> tuple[int, float]:
     """Compile ``step`` (a jitted function) for ``args``: its bytes and FLOPs."""
     c = step.lower(*args).compile()
     return compiled_bytes(c), compiled_flops(c)
+
+
+def jax_kept_bytes(fn: Any, args: Any, activation: int = 0) -> int:
+    """The bytes JAX keeps for `fn`'s backward (``saved_residuals``), the arguments left out
+    but the activation (argument `activation`, named as `fn`'s signature names it): what a
+    layer keeps beyond its parameters."""
+    import inspect
+
+    from jax._src.ad_checkpoint import saved_residuals
+
+    params = list(inspect.signature(fn).parameters.values())
+    if params and params[0].kind is inspect.Parameter.VAR_POSITIONAL:  # fn(*a): a[i]
+        name = f"{params[0].name}[{activation}]"
+    else:
+        name = params[activation].name
+    mine = (f"from the argument {name}", f"from the argument {name}[",
+            f"from the argument {name}.")
+    return sum(int(a.size) * a.dtype.itemsize for a, why in saved_residuals(fn, *args)
+               if not why.startswith("from the argument") or why == mine[0]
+               or why.startswith(mine[1:]))
