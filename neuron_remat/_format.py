@@ -14,6 +14,13 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+def fmt_seconds(s: float) -> str:
+    """A duration in us below a millisecond, in ms below a second, else in s."""
+    if s < 1e-3:
+        return f"{1e6 * s:.3g} us"
+    return f"{1e3 * s:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
 def grid(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]

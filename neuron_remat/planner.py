@@ -16,7 +16,7 @@ import numpy as np
 
 from . import memory_model as mm
 from . import models
-from ._format import fmt_bytes
+from ._format import fmt_bytes, fmt_seconds
 from ._plan import (OBJECTIVES, Choice, GroupDecision, LayerMix, NoFitError, Plan,
                     TagDecision)
 from .device import DeviceSpec, EngineRates, as_device, engine_rates
@@ -377,8 +377,8 @@ def _choose(fp: mm.Footprint, per_layer: int, candidates: Iterable[str] | None, 
             decisions[t] = "saved: free to keep"
         elif t in best.tags and obj == "time":
             assert rts is not None
-            decisions[t] = (f"saved: {1e6 * _time_saved(cost_fp, (t,)):.3g} us of recompute "
-                            f"for {1e6 * 2 * cost.bytes / rts.hbm_bytes_per_s:.3g} us to "
+            decisions[t] = (f"saved: {fmt_seconds(_time_saved(cost_fp, (t,)))} of recompute "
+                            f"for {fmt_seconds(2 * cost.bytes / rts.hbm_bytes_per_s)} to "
                             "write and read it")
         elif t in best.tags:
             decisions[t] = f"saved: {cost.recompute_flops / cost.bytes:.3g} FLOP/B"

@@ -49,3 +49,10 @@ def test_tag_list(tags, width, expected):
     assert tag_list(tags, width) == expected
     if width is not None and len(expected.split(" +")[0].split(", ")) > 1:
         assert len(expected) <= width
+
+
+def test_fmt_seconds_picks_the_unit():
+    from neuron_remat._format import fmt_seconds
+
+    assert [fmt_seconds(s) for s in (0.0000926, 0.00174, 2.5)] == ["92.6 us", "1.74 ms",
+                                                                  "2.5 s"]
