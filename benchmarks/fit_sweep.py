@@ -106,9 +106,12 @@ class Brute:
         self.file_tags = list(self.tags)
         if path.exists():
             data = json.loads(path.read_text())
-            # a cache over more tags serves a prefix of them (same key order)
-            if data.get("tags", [])[:len(self.tags)] == list(self.tags):
-                self.table, self.file_tags = data["sets"], data["tags"]
+            # a cache over more tags serves any of them in the same order (its keys list a
+            # set's tags in that order): a prefix, or the tags left once `_pool` drops one
+            cached = list(data.get("tags", []))
+            at = [cached.index(t) for t in self.tags if t in cached]
+            if len(at) == len(self.tags) and at == sorted(at):
+                self.table, self.file_tags = data["sets"], cached
 
     def sets(self) -> list[tuple[str, ...] | None]:
         """No remat, then every subset in binary counting order: the first 2**k subsets

@@ -27,6 +27,7 @@ from ._compile import _jitted
 from ._format import first_line
 from ._jax_compat import is_name_primitive, remat3_off, save_only_these_names
 from .graph import LayerGraph
+from .planner import DEFAULT_MIN_FLOPS_PER_BYTE
 
 STORED_ITEMSIZE: dict[str, dict[str, int]] = {"cpu": {"bfloat16": 4}}
 """Bytes per element a backend stores where they differ from the dtype's, by
@@ -234,7 +235,8 @@ def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
 
 
 def _pool(graph: StepGraph, candidates: Iterable[str] | None) -> tuple[str, ...]:
-    """The tags worth deciding: those whose saving changes what is kept or recomputed."""
+    """The tags worth deciding: those whose saving saves recompute, alone or beside the
+    others, of at least `DEFAULT_MIN_FLOPS_PER_BYTE` for each byte it keeps."""
     if candidates is not None:
         if isinstance(candidates, str):
             candidates = candidates.split(",")
@@ -246,10 +248,21 @@ def _pool(graph: StepGraph, candidates: Iterable[str] | None) -> tuple[str, ...]
     else:
         chosen = list(graph.tags)
     # Useful: saving it recomputes less, alone or beside every other tag (a tag may pay
-    # only with others).
-    base = graph.recompute_flops(())
-    everything = tuple(chosen)
-    most = graph.recompute_flops(everything)
-    return tuple(t for t in dict.fromkeys(chosen)
-                 if graph.recompute_flops((t,)) < base
-                 or most < graph.recompute_flops(tuple(o for o in everything if o != t)))
+    # only with others), by at least the planner's `DEFAULT_MIN_FLOPS_PER_BYTE` for each
+    # byte it keeps, one way or the other: below that it is elementwise work (a cast, a
+    # norm or activation output), cheaper to redo than to hold, and the compiled FLOPs can
+    # even grow with it (XLA adds converts around a saved bfloat16 value).
+    base, base_kept = graph.recompute_flops(()), graph.kept_bytes(())
+    everything = tuple(dict.fromkeys(chosen))
+    most, most_kept = graph.recompute_flops(everything), graph.kept_bytes(everything)
+
+    def pays(saved: float, kept: int) -> bool:
+        return saved > 0 and (kept <= 0 or saved / kept >= DEFAULT_MIN_FLOPS_PER_BYTE)
+
+    out = []
+    for t in everything:
+        rest = tuple(o for o in everything if o != t)
+        if pays(base - graph.recompute_flops((t,)), graph.kept_bytes((t,)) - base_kept) or \
+                pays(graph.recompute_flops(rest) - most, most_kept - graph.kept_bytes(rest)):
+            out.append(t)
+    return tuple(out)

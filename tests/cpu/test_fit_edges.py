@@ -305,3 +305,39 @@ def test_dry_run_says_full_remat_ran_out_of_memory(xla):
     assert "full remat ran out of memory" in text and "compiled to" not in text
     full = [b for s, b, _ in preview.candidates if s == ()]
     assert full == [xla[()]]  # the simulation's error names the compiled bytes
+
+
+def test_a_tag_cheaper_to_redo_than_to_hold_is_not_a_candidate():
+    """A tag on a bfloat16 cast of the softmax: its backward needs the float32 softmax,
+    recomputed anyway, so saving the tag spares one convert per element (1 FLOP per 2 bytes
+    kept, under the planner's 8 FLOP/B) and on XLA:CPU adds FLOPs. `fit` does not decide it;
+    the projection (2 x 32 FLOPs per 4-byte element) stays."""
+    from jax._src.ad_checkpoint import save_only_these_names
+
+    from neuron_remat._step import _pool, step_graph
+
+    lay, b, s, d = 4, 2, 64, 32
+
+    def layer(x, w):
+        h = checkpoint_name(x @ w["a"], "proj")
+        scores = jnp.einsum("bsd,btd->bst", h, x)
+        p = checkpoint_name(jax.nn.softmax(scores, -1).astype(jnp.bfloat16), "probs")
+        return x + jnp.einsum("bst,btd->bsd", p.astype(jnp.float32), x) @ w["b"]
+
+    def make(policy):
+        def loss(w, x):
+            f = jax.checkpoint(layer, policy=policy)
+            return jnp.mean(jax.lax.scan(lambda c, wi: (f(c, wi), None), x, w)[0] ** 2)
+
+        return jax.jit(lambda w, x: jax.tree.map(lambda a, g: a - 0.1 * g, w,
+                                                 jax.grad(loss)(w, x)))
+
+    args = ({"a": S((lay, d, d), jnp.float32), "b": S((lay, d, d), jnp.float32)},
+            S((b, s, d), jnp.float32))
+    assert _pool(step_graph(make, *args), None) == ("proj",)
+
+    def flops(*saved):
+        return make(save_only_these_names(*saved)).lower(*args).compile().cost_analysis()[
+            "flops"]
+
+    assert flops("proj", "probs") >= flops("proj")  # XLA: saving it saves nothing
