@@ -141,6 +141,17 @@ def _figures(mem: Any, fields: Sequence[str]) -> tuple[int, ...] | None:
     return tuple(out)
 
 
+def _unwrapped(compiled: Any) -> Any:
+    """JAX's compiled executable inside a wrapper's: ``eqx.filter_jit(f).lower(...)
+    .compile()`` is Equinox's `Compiled`, holding JAX's in `.compiled` (without
+    ``memory_analysis()`` of its own, it read as a backend with no figures)."""
+    for _ in range(3):
+        if hasattr(compiled, "memory_analysis") or not hasattr(compiled, "compiled"):
+            break
+        compiled = compiled.compiled
+    return compiled
+
+
 def _compile(step: Any, args: Sequence[Any]) -> _Compiled:
     start = time.perf_counter()
     lowered = _jitted(step).lower(*args)
@@ -154,6 +165,7 @@ def _compile(step: Any, args: Sequence[Any]) -> _Compiled:
         return _Compiled(None, 0, 0, 0, 0, float("nan"), time.perf_counter() - start,
                          oom=True, reported=figure, fixed=fixed)
     seconds = time.perf_counter() - start
+    compiled = _unwrapped(compiled)
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
               "alias_size_in_bytes")
     try:

@@ -341,3 +341,29 @@ def test_a_tag_cheaper_to_redo_than_to_hold_is_not_a_candidate():
             "flops"]
 
     assert flops("proj", "probs") >= flops("proj")  # XLA: saving it saves nothing
+
+
+def test_an_equinox_filter_jit_step_gives_its_memory_figures(xla):
+    """``eqx.filter_jit(f).lower(...).compile()`` is Equinox's wrapper, JAX's executable in
+    its ``.compiled``: fit reads that one's figures, not the oracle's."""
+    eqx = pytest.importorskip("equinox")
+
+    def make(policy):
+        def loss(p, x):
+            return jnp.mean(nr.scan_layers(_layer, p, x, policy) ** 2)
+
+        @eqx.filter_jit
+        def update(p, x):
+            g = jax.grad(loss)(p, x)
+            return jax.tree.map(lambda a, b: a - 1e-2 * b, p, g)
+
+        return update
+
+    args = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), ARGS)  # filter_jit traces
+    device, reserve = _device(xla[("h1", "h2")] + 4 * MiB)                 # arrays only
+    plan = nr.fit(make, *args, device=device, reserve=reserve, progress=lambda line: None)
+    assert plan.compiled.measured
+    inner = make(plan.policy).lower(*args).compile().compiled  # JAX's, read here
+    m = inner.memory_analysis()
+    assert plan.compiled.bytes == (m.argument_size_in_bytes + m.output_size_in_bytes
+                                   + m.temp_size_in_bytes - m.alias_size_in_bytes)
