@@ -1,0 +1,42 @@
+"""`fit` on training steps written in other libraries' styles (tests/cpu/foreign_zoo.py:
+Flax linen, Equinox, Flax nnx), none looked at while `fit` was tuned: at a limit halfway
+from full remat to no remat, both compiled here, the plan fits and states its own
+policy's compile, XLA's figures read here. Compiles several programs: marked slow. The
+sweep against the brute force is `benchmarks/fit_sweep.py --steps-module
+tests.cpu.foreign_zoo`."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+pytest.importorskip("flax")
+pytest.importorskip("equinox")
+
+import neuron_remat as nr  # noqa: E402
+from xla_figures import compiled_bytes  # noqa: E402
+
+import foreign_zoo  # noqa: E402
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(foreign_zoo.STEPS))
+def test_fit_plans_a_foreign_step_within_the_limit(name):
+    spec = foreign_zoo.STEPS[name]
+    make, args = spec.make_step(), spec.abstract_args()
+
+    def xla_bytes(policy):
+        return compiled_bytes(make(policy).lower(*args).compile())
+
+    full = xla_bytes(jax.checkpoint_policies.nothing_saveable)
+    none = xla_bytes(jax.checkpoint_policies.everything_saveable)
+    limit = (full + none) // 2
+    device = nr.parse_device(f"trn2.48xlarge:hbm={limit}B:cores=1", source="test")
+    plan = nr.fit(make, *args, device=device, reserve=0, progress=lambda line: None)
+    assert plan.compiled.measured
+    assert xla_bytes(plan.policy) == plan.compiled.bytes <= limit
+    assert plan.saved_tags, "halfway to no remat, some tag fits"
