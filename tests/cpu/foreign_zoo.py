@@ -51,6 +51,26 @@ import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
+def _train_step(logits: Callable[[Any, jax.Array], jax.Array],
+                tx: optax.GradientTransformation, *, donate: bool,
+                apply_updates: Callable[[Any, Any], Any] = optax.apply_updates) -> Any:
+    """The jitted next-token step every model here trains with: ``state = (params,
+    opt_state)`` and ``tokens`` [batch, seq + 1] in, the updated state and the loss out;
+    `logits(params, tokens[:, :-1])` is the model. `donate` donates the state."""
+
+    def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits(params, tokens[:, :-1]), tokens[:, 1:]).mean()
+
+    def train_step(state: Any, tokens: jax.Array) -> tuple[Any, jax.Array]:
+        params, opt_state = state
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (apply_updates(params, updates), opt_state), loss
+
+    return jax.jit(train_step, donate_argnums=0 if donate else ())
+
+
 # ======================================================================================
 # 1. Flax linen GPT-2.
 # ======================================================================================
@@ -147,19 +167,8 @@ class LinenGPT2Step:
 
         def make(policy: Any) -> Any:
             model = GPT2(self.cfg, policy=policy)
-
-            def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
-                logits = model.apply({"params": params}, tokens[:, :-1])
-                return optax.softmax_cross_entropy_with_integer_labels(
-                    logits, tokens[:, 1:]).mean()
-
-            def train_step(state: Any, tokens: jax.Array) -> tuple[Any, jax.Array]:
-                params, opt_state = state
-                loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
-                updates, opt_state = tx.update(grads, opt_state, params)
-                return (optax.apply_updates(params, updates), opt_state), loss
-
-            return jax.jit(train_step, donate_argnums=0)
+            return _train_step(lambda params, x: model.apply({"params": params}, x), tx,
+                               donate=True)
 
         return make
 
@@ -318,19 +327,11 @@ class EqxLlamaStep:
         tx, static = self._tx(), self._static()
 
         def make(policy: Any) -> Any:
-            def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
+            def logits(params: Any, x: jax.Array) -> jax.Array:
                 model = eqx.combine(params, static)
-                logits = jax.vmap(lambda t: model(t, policy))(tokens[:, :-1])
-                return optax.softmax_cross_entropy_with_integer_labels(
-                    logits, tokens[:, 1:]).mean()
+                return jax.vmap(lambda t: model(t, policy))(x)
 
-            def train_step(state: Any, tokens: jax.Array) -> tuple[Any, jax.Array]:
-                params, opt_state = state
-                loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
-                updates, opt_state = tx.update(grads, opt_state, params)
-                return (eqx.apply_updates(params, updates), opt_state), loss
-
-            return jax.jit(train_step, donate_argnums=0)
+            return _train_step(logits, tx, donate=True, apply_updates=eqx.apply_updates)
 
         return make
 
@@ -446,19 +447,8 @@ class NnxParallelStep:
         tx, graphdef = self._tx(), self._graphdef()
 
         def make(policy: Any) -> Any:
-            def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
-                model = nnx.merge(graphdef, params)
-                logits = model(tokens[:, :-1], policy)
-                return optax.softmax_cross_entropy_with_integer_labels(
-                    logits, tokens[:, 1:]).mean()
-
-            def train_step(state: Any, tokens: jax.Array) -> tuple[Any, jax.Array]:
-                params, opt_state = state
-                loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
-                updates, opt_state = tx.update(grads, opt_state, params)
-                return (optax.apply_updates(params, updates), opt_state), loss
-
-            return jax.jit(train_step)
+            return _train_step(lambda params, x: nnx.merge(graphdef, params)(x, policy), tx,
+                               donate=False)
 
         return make
 
