@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -279,11 +280,11 @@ def reserve_bytes(device: DeviceSpec, reserve: float | int | None = None) -> int
         runtime = RUNTIME_BYTES_PER_PHYSICAL_CORE * device.physical_cores_per_core \
             if device.is_neuron and hbm > 4 * GiB else 0  # scaled-down simulations skip it
         return int(DEFAULT_RESERVE_FRACTION * hbm) + runtime
-    if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or reserve < 0 or (
-            isinstance(reserve, float) and reserve >= 1):
+    if isinstance(reserve, bool) or not isinstance(reserve, (numbers.Integral, float)) or \
+            reserve < 0 or (isinstance(reserve, float) and reserve >= 1):
         raise ValueError(f"reserve={reserve!r}: give a fraction of HBM in [0, 1) as a float, "
                          "or bytes as an int")
-    if isinstance(reserve, int) and hbm and reserve >= hbm:
+    if isinstance(reserve, numbers.Integral) and hbm and reserve >= hbm:
         raise ValueError(f"reserve={reserve!r} bytes ({fmt_bytes(reserve)}) is not less than "
                          f"the {fmt_bytes(hbm)} of HBM per core of {device.family}; give less, "
                          "or a fraction of HBM in [0, 1)")

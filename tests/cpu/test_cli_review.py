@@ -222,3 +222,13 @@ def test_every_name_the_readme_calls_on_the_package_exists():
     # `nr.X` calls, and the config loaders the README names bare beside them
     named = set(re.findall(r"\bnr\.(\w+)", text)) | {"load_hf_config", "from_hf_config"}
     assert sorted(n for n in named if not hasattr(nr, n)) == []
+
+
+def test_a_numpy_integer_reserve_is_bytes_as_an_int_is():
+    # plan's own check takes any integral reserve; the budget took only Python ints
+    import numpy as np
+
+    shape = nr.StepShape(seq_len=4096)
+    a = nr.plan("trn2.48xlarge", "llama3-8b", shape, reserve=np.int64(1 << 30))
+    b = nr.plan("trn2.48xlarge", "llama3-8b", shape, reserve=1 << 30)
+    assert a.budget_bytes_per_layer == b.budget_bytes_per_layer
