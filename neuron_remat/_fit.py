@@ -103,6 +103,7 @@ from ._step import LayerBackward, StepGraph, StepTraceError, _pool, step_graph
 from .device import DeviceSpec, as_device
 from .memory_model import reserve_bytes as _reserve_bytes
 from ._plan import Choice, NoFitError, Plan, TagDecision
+from .planner import DEFAULT_MIN_FLOPS_PER_BYTE
 
 __all__ = ["OOM_SIGNALS", "CompileFailedError", "CompiledFit", "FitPreview", "LayerBackward",
            "PolicyIgnoredError", "Probe", "StepGraph", "StepTraceError", "fit",
@@ -235,7 +236,15 @@ def _setup(make_step: Callable[[Any], Any], args: Sequence[Any], device: DeviceS
         raise ValueError(f"reserve={reserve!r} holds back {fmt_bytes(held)}, all of the "
                          f"{fmt_bytes(hbm)} per core")
     graph = step_graph(make_step, *args)
-    tags = _pool(graph, plan_options.get("candidates"))
+    asked = plan_options.get("candidates")
+    tags = _pool(graph, asked)
+    if asked is not None:
+        named = [c.strip() for c in (asked.split(",") if isinstance(asked, str) else asked)]
+        left = [c for c in dict.fromkeys(named) if c not in tags]
+        if left:
+            logger.warning("neuron_remat.fit: candidates %s are not decided: saving them "
+                           "saves no recompute, or less than %g FLOPs per byte kept "
+                           "(cheaper to redo than to hold)", left, DEFAULT_MIN_FLOPS_PER_BYTE)
     return device, hbm, held, limit, graph, tags, max_compiles, band
 
 

@@ -307,7 +307,7 @@ def test_dry_run_says_full_remat_ran_out_of_memory(xla):
     assert full == [xla[()]]  # the simulation's error names the compiled bytes
 
 
-def test_a_tag_cheaper_to_redo_than_to_hold_is_not_a_candidate():
+def test_a_tag_cheaper_to_redo_than_to_hold_is_not_a_candidate(caplog):
     """A tag on a bfloat16 cast of the softmax: its backward needs the float32 softmax,
     recomputed anyway, so saving the tag spares one convert per element (1 FLOP per 2 bytes
     kept, under the planner's 8 FLOP/B) and on XLA:CPU adds FLOPs. `fit` does not decide it;
@@ -341,6 +341,12 @@ def test_a_tag_cheaper_to_redo_than_to_hold_is_not_a_candidate():
             "flops"]
 
     assert flops("proj", "probs") >= flops("proj")  # XLA: saving it saves nothing
+    # named as a candidate, it is left undecided with one warning saying why
+    with caplog.at_level("WARNING", logger="neuron_remat.fit"):
+        nr.fit(make, *args, device=_device(64 * MiB)[0], reserve=36 * MiB,
+               candidates=["probs"], progress=lambda line: None)
+    assert any("candidates ['probs'] are not decided" in r.getMessage()
+               for r in caplog.records)
 
 
 def test_an_equinox_filter_jit_step_gives_its_memory_figures(xla):
