@@ -99,7 +99,7 @@ from ._mix import MIX_COMPILES, fit_per_layer
 from ._search import (DEFAULT_BAND, NO_REMAT, TIGHT, _Candidate, _candidates, _frontier,
                       _max_compiles, _Model, _oracle_cap, _PolicyIgnored, _Search, _stretch,
                       _what)
-from ._step import LayerBackward, StepGraph, StepTraceError, _pool, step_graph
+from ._step import LayerBackward, StepGraph, StepTraceError, _named, _pool, step_graph
 from .device import DeviceSpec, as_device
 from .memory_model import reserve_bytes as _reserve_bytes
 from ._plan import Choice, NoFitError, Plan, TagDecision
@@ -239,8 +239,7 @@ def _setup(make_step: Callable[[Any], Any], args: Sequence[Any], device: DeviceS
     asked = plan_options.get("candidates")
     tags = _pool(graph, asked)
     if asked is not None:
-        named = [c.strip() for c in (asked.split(",") if isinstance(asked, str) else asked)]
-        left = [c for c in dict.fromkeys(named) if c not in tags]
+        left = [c for c in dict.fromkeys(_named(asked)) if c not in tags]
         if left:
             logger.warning("neuron_remat.fit: candidates %s are not decided: saving them "
                            "saves no recompute, or less than %g FLOPs per byte kept "

@@ -234,13 +234,18 @@ def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
                      STORED_ITEMSIZE.get(jax.default_backend(), {}))
 
 
+def _named(candidates: Iterable[str] | str) -> list[str]:
+    """The tag names `candidates` gives: a list, or one comma-separated str."""
+    if isinstance(candidates, str):
+        candidates = candidates.split(",")
+    return [c.strip() for c in candidates]
+
+
 def _pool(graph: StepGraph, candidates: Iterable[str] | None) -> tuple[str, ...]:
     """The tags worth deciding: those whose saving saves recompute, alone or beside the
     others, of at least `DEFAULT_MIN_FLOPS_PER_BYTE` for each byte it keeps."""
     if candidates is not None:
-        if isinstance(candidates, str):
-            candidates = candidates.split(",")
-        chosen = [c.strip() for c in candidates]
+        chosen = _named(candidates)
         bad = [c for c in chosen if c not in graph.tags]
         if bad:
             raise ValueError(f"candidates {bad} are not tags of this step; its tags: "
