@@ -51,6 +51,18 @@ import jax.numpy as jnp
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
+@dataclass(frozen=True)
+class _Step:
+    """The fields of zoo.py's `Spec` protocol every step here shares (each adds its `cfg`,
+    `abstract_args()` and `make_step()`)."""
+
+    name: str
+    split: str = "held-out"
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+    scan: bool = True
+
+
 def _train_step(logits: Callable[[Any, jax.Array], jax.Array],
                 tx: optax.GradientTransformation, *, donate: bool,
                 apply_updates: Callable[[Any, Any], Any] = optax.apply_updates) -> Any:
@@ -137,15 +149,10 @@ class GPT2(nn.Module):
 
 
 @dataclass(frozen=True)
-class LinenGPT2Step:
+class LinenGPT2Step(_Step):
     """Flax linen GPT-2 (nn.scan over nn.remat blocks), f32, AdamW, donated state."""
 
-    name: str
     cfg: GPT2Config = GPT2Config()
-    split: str = "held-out"
-    note: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
-    scan: bool = True
 
     def _tx(self) -> optax.GradientTransformation:
         return optax.adamw(3e-4, b1=0.9, b2=0.95, weight_decay=0.1)
@@ -295,16 +302,11 @@ class Llama(eqx.Module):
 
 
 @dataclass(frozen=True)
-class EqxLlamaStep:
+class EqxLlamaStep(_Step):
     """Equinox LLaMA (filter_vmap-stacked layers, lax.scan over jax.checkpoint), bf16,
     Adafactor, donated state."""
 
-    name: str
     cfg: LlamaConfig = LlamaConfig()
-    split: str = "held-out"
-    note: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
-    scan: bool = True
 
     def _tx(self) -> optax.GradientTransformation:
         return optax.adafactor(1e-3)
@@ -415,16 +417,11 @@ class ParallelLM(nnx.Module):
 
 
 @dataclass(frozen=True)
-class NnxParallelStep:
+class NnxParallelStep(_Step):
     """Flax nnx parallel-block MQA decoder (nnx.scan over nnx.remat), f32, SGD+momentum,
     not donated."""
 
-    name: str
     cfg: ParallelConfig = ParallelConfig()
-    split: str = "held-out"
-    note: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
-    scan: bool = True
 
     def _tx(self) -> optax.GradientTransformation:
         return optax.sgd(1e-2, momentum=0.9)
