@@ -254,10 +254,17 @@ def analyse(graph: Any, pool: Sequence[str], row_of: Any, modes: dict[str, Any],
                 for shape, d in designs.items():
                     if (shape, i) not in memo:
                         memo[shape, i] = predicted_from_the_others(shape, d, y, i)
+                alone = {}
+                for t in c.saved:  # each tag of the set saved alone, as "tags" sees it
+                    j = next(j for j, o in enumerate(cands) if o.saved == (t,))
+                    if ("tags", j) not in memo:
+                        memo["tags", j] = predicted_from_the_others("tags", a, y, j)
+                    alone[t] = float(y[j] - memo["tags", j])
                 near.append({"saved": list(c.saved), "points": points[c.saved],
                              "compiled": float(y[i]),
                              "predicted_from_the_others": {
-                                 shape: memo[shape, i] for shape in designs}})
+                                 shape: memo[shape, i] for shape in designs},
+                             "alone_above_tags": alone})
             result["misses"].append({"mode": mode, "hbm": limit, "gap": 100 * row["gap"],
                                      "best_margin_share": margin / full, "within_2": near})
     result["misses_found_by"] = {
@@ -319,6 +326,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                  f"{shape.replace('_', ' ')} {v / MiB:.3f}"
                                  + ("" if v <= m["hbm"] else " (over)")
                                  for shape, v in n["predicted_from_the_others"].items()))
+                if len(n["saved"]) > 1:
+                    lines.append("      compiled above what one effect per tag predicts from "
+                                 "every other set: " + ", ".join(
+                                     f"{t} alone {v / MiB:+.2f}"
+                                     for t, v in n["alone_above_tags"].items())
+                                 + f", together {(n['compiled'] - n['predicted_from_the_others']['tags']) / MiB:+.2f} MiB")
         if r["misses"]:
             lines.append(f"  of {len(r['misses'])} misses over 2 pt, some set within 2 pt "
                          "is predicted within the limit from every other set by: " + ", ".join(
