@@ -194,7 +194,8 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
         for s, k in sorted(chosen, key=lambda c: (c[0].cost, c[0].saved or ())):
             saved = tuple(graph.tags) if s.saved is None else s.saved
             kept = graph.no_remat_kept_bytes() if s.saved is None else graph.kept_bytes(s.saved)
-            mix.append(LayerMix(saved, k, kept // n, s.cost, None, _policy(s.saved)))
+            mix.append(LayerMix(saved, k, kept // n, s.cost, None, _policy(s.saved),
+                                no_remat=s.saved is None))
         return tuple(mix)
 
     reserve = 0

@@ -68,7 +68,9 @@ class Choice:
 @dataclass(frozen=True)
 class LayerMix:
     """One save set of a per-layer plan and how many layers (per core) use it; figures per
-    layer per core."""
+    layer per core. `no_remat` marks `fit`'s layers without remat (`policy`
+    ``everything_saveable``; `tags` then lists every tag, all of them kept, as
+    `Plan.saved_tags` does for a plan without remat)."""
 
     tags: tuple[str, ...]
     layers: int
@@ -76,6 +78,7 @@ class LayerMix:
     recompute_flops: float
     recompute_seconds: float | None = None
     policy: RegexPolicy | Callable[..., Any] | None = None  # fit's no remat: everything_saveable
+    no_remat: bool = False
 
 
 OBJECTIVES = ("flops", "time")
@@ -237,6 +240,7 @@ class Plan:
             out["time_overhead"] = self.time_overhead
         if self.layer_mix:
             out["layer_mix"] = [{"tags": list(m.tags), "layers": m.layers,
+                                 "no_remat": m.no_remat,
                                  "kept_bytes_per_layer": m.kept_bytes,
                                  "recompute_flops_per_layer": m.recompute_flops,
                                  "recompute_seconds_per_layer": m.recompute_seconds,
@@ -395,8 +399,7 @@ def _mix_lines(p: Plan) -> list[str]:
     for m in p.layer_mix:
         secs = (f", {1e3 * m.recompute_seconds:.4g} ms" if m.recompute_seconds is not None
                 else "")
-        what = "no remat" if m.policy is not None and not isinstance(m.policy, RegexPolicy) \
-            else list(m.tags)
+        what = "no remat" if m.no_remat else list(m.tags)
         lines.append(f"per-layer plan: {m.layers} x {what}: {fmt_bytes(m.kept_bytes)}"
                      f"/layer, {m.recompute_flops / 1e9:.4g} GFLOP{secs}/layer")
     uni = 100 * p.overhead

@@ -83,6 +83,11 @@ def test_fit_per_layer_between_every_tag_and_no_remat_on_a_zoo_step():
     assert plan.layer_policies is not None, plan.notes
     assert len(plan.layer_policies) == spec.layers
     assert none in plan.layer_policies  # some layers without remat
+    # the mix marks those layers, by count, and its JSON says so
+    assert sum(m.layers for m in plan.layer_mix if m.no_remat) == \
+        sum(p is none for p in plan.layer_policies)
+    assert [m["no_remat"] for m in plan.to_dict()["layer_mix"]] == \
+        [m.policy is none for m in plan.layer_mix]
     mixed_bytes, mixed_flops = measure(make(plan.layer_policies), args)
     assert mixed_bytes == plan.compiled.probes[-1].bytes <= limit
     # XLA's FLOPs as each step runs: no remat (the step), the uniform plan, the mix (its
