@@ -59,6 +59,11 @@ _FAMILIES: dict[str, dict[str, Any]] = {
     # after attention and the FFN instead of before: the same norms and bytes as qk_norm on
     # a Llama layer; parameters differ by (heads + kv_heads - 2) x head_dim per layer.
     "olmo2": {"qk_norm": True},
+    # Phi-3 (and Phi-3.5, Phi-4, which keep model_type phi3): a Llama layer whose q/k/v and
+    # gate/up projections are fused into one matmul each (the same values and bytes); its
+    # sliding window, where set, is on every layer; its extra keys (resid_pdrop,
+    # embd_pdrop, original_max_position_embeddings) change no layer shape.
+    "phi3": {},
 }
 # The values transformers' config classes give fields a config.json may leave out (each
 # class's __init__ defaults, same commit as below), where the loader's own fallback would
@@ -258,8 +263,9 @@ def from_hf_config(cfg: Mapping[str, Any], *, name: str | None = None,
 
     Families read with their own keys and defaults (activation, tied embeddings, norms,
     biases): ``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``,
-    ``gemma3_text``; mixture of experts ``mixtral``, ``qwen2_moe``, ``qwen3_moe``,
-    ``llama4_text``; latent attention and experts ``deepseek_v2``, ``deepseek_v3``. Another
+    ``gemma3_text``, ``olmo2``, ``phi3``; mixture of experts ``mixtral``, ``qwen2_moe``,
+    ``qwen3_moe``, ``llama4_text``; latent attention and experts ``deepseek_v2``,
+    ``deepseek_v3``. Another
     ``model_type`` is read as a Llama-like dense model only when it has no key outside the
     generic ones. State-space, encoder-decoder and multimodal models are refused (a
     multimodal one's text decoder is planned with ``text_only=True``); so is any key naming
@@ -336,7 +342,27 @@ def _from_hf_config(cfg: Mapping[str, Any], name: str | None, source: str, text_
     config = TransformerConfig(**kw)
     if model_type not in _FAMILIES:  # said once the config is valid, not before its error
         _warn_once_per_type(model_type, source)
+    _warn_dropout(cfg, source)
     return config
+
+
+_DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop")
+
+
+def _warn_dropout(cfg: Mapping[str, Any], source: str) -> None:
+    """The layer model has no dropout: a config that trains with it keeps a mask (and
+    an output) per dropout more than the plan counts. Said once per file."""
+    on = [f"{k}={cfg[k]}" for k in _DROPOUT_KEYS if isinstance(cfg.get(k), (int, float))
+          and not isinstance(cfg.get(k), bool) and cfg[k] > 0]
+    if not on or source in _WARNED_DROPOUT:
+        return
+    _WARNED_DROPOUT.add(source)
+    logger.warning("%s: %s: the layer model has no dropout, so the plan does not count "
+                   "dropout's masks and outputs; train without it, or check the step with "
+                   "fit", source, ", ".join(on))
+
+
+_WARNED_DROPOUT: set[str] = set()
 
 
 _WARNED_TYPES: set[str] = set()

@@ -20,6 +20,7 @@ PUBLISHED = {
     "qwen1.5-moe-a2.7b.json": 14.3e9, "deepseek-v2-lite.json": 15.7e9,
     "deepseek-v3.json": 671e9, "gemma-2-9b.json": 9.24e9, "gemma-3-1b.json": 1.0e9,
     "llama-3-8b.json": 8.03e9, "mistral-7b.json": 7.24e9, "qwen2.5-7b.json": 7.61e9,
+    "phi-3-mini-4k.json": 3.82e9,
 }
 ACTIVE = {"mixtral-8x7b.json": 12.9e9, "qwen3-30b-a3b.json": 3.3e9,
           "deepseek-v3.json": 37e9}  # V2-Lite's 2.4B counts embeddings differently
@@ -263,6 +264,23 @@ def test_olmo2_is_read_with_its_qk_norms_not_as_plain_llama(caplog):
     assert abs(cfg.param_count() - by_hand) / by_hand < 1e-4
 
 
+def test_phi3_is_a_known_family_and_dropout_is_said_once(caplog):
+    path = DATA / "phi-3-mini-4k.json"
+    with caplog.at_level("WARNING", logger="neuron_remat.models"):
+        cfg = models.load_hf_config(path)
+    assert not caplog.records  # a known family, trained without dropout
+    # the fused qkv_proj and gate_up_proj hold the Llama layer's weights, counted by hand
+    by_hand = 32 * (4 * 3072 * 3072 + 3 * 3072 * 8192 + 2 * 3072) + 2 * 32064 * 3072 + 3072
+    assert cfg.param_count() == by_hand
+    raw = json.loads(path.read_text())
+    with caplog.at_level("WARNING", logger="neuron_remat.models"):
+        models.from_hf_config({**raw, "resid_pdrop": 0.1}, source="phi-dropout.json")
+        models.from_hf_config({**raw, "resid_pdrop": 0.1}, source="phi-dropout.json")
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "resid_pdrop=0.1" in said[0] and "phi-dropout.json" in said[0]
+    assert "\n" not in said[0]
+
+
 def test_an_unknown_family_is_planned_as_llama_with_one_warning(caplog):
     odd = {**OLMO2_7B, "model_type": "brand_new_arch_x"}
     with caplog.at_level("WARNING", logger="neuron_remat.models"):
@@ -290,6 +308,7 @@ def test_the_multimodal_hint_names_a_flag_the_cli_has(tmp_path, capsys):
 @pytest.mark.parametrize("name, seq, words", [
     ("llama-3-8b.json", 16384, ["max_position_embeddings 8192"]),
     ("mistral-7b.json", 8192, ["sliding_window 4096 (every layer)"]),
+    ("phi-3-mini-4k.json", 4096, ["sliding_window 2047 (every layer)"]),
     ("gemma-2-9b.json", 8192, ["sliding_window 4096 (21 of 42 layers)"]),
     ("gemma-3-1b.json", 40000, ["sliding_window 512 (22 of 26 layers)",
                                 "max_position_embeddings 32768"]),
