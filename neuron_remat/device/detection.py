@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import threading
 from collections.abc import Mapping
+from typing import Any
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,8 +131,8 @@ def _probe_neuron_ls(root: str, environ: Mapping[str, str], timeout: float,
         logger.info("neuron_remat: /dev/neuron* exists but neuron-ls is not installed")
         return None
     try:
-        run = subprocess.run([exe, "-j"], capture_output=True, text=True, timeout=timeout,
-                             env=dict(environ), check=False)
+        run = subprocess.run([exe, "-j"], capture_output=True, text=True, errors="replace",
+                             timeout=timeout, env=dict(environ), check=False)
     except subprocess.TimeoutExpired:
         notes.append(Evidence("neuron-ls", f"timed out after {timeout:g} s"))
         logger.warning("neuron_remat: %s -j hung for %.3g s; ignoring it", exe, timeout)
@@ -143,11 +144,10 @@ def _probe_neuron_ls(root: str, environ: Mapping[str, str], timeout: float,
         chips = json.loads(run.stdout)
         if not isinstance(chips, list) or not chips or not all(isinstance(c, dict) for c in chips):
             raise ValueError("expected a non-empty JSON list of device objects")
-        nc = [int(c["nc_count"]) for c in chips]
-        mem = int(chips[0]["memory_size"])
-        lnc_raw = chips[0].get("logical_neuroncore_config")
-        lnc = int(lnc_raw) if lnc_raw is not None else None
-    except (ValueError, KeyError, TypeError) as err:
+        nc = [_count(c, "nc_count") for c in chips]
+        mem = _count(chips[0], "memory_size")
+        lnc = _count(chips[0], "logical_neuroncore_config", None)
+    except (ValueError, KeyError, TypeError, RecursionError) as err:
         snippet = (run.stdout or run.stderr or "").strip()[:80]
         notes.append(Evidence("neuron-ls", f"unusable output ({err}): {snippet!r}"))
         logger.warning("neuron_remat: neuron-ls -j printed unusable output (%s)", err)
@@ -158,6 +158,19 @@ def _probe_neuron_ls(root: str, environ: Mapping[str, str], timeout: float,
     return _Probe(family=family, chips=len(chips), cores=sum(nc), lnc=lnc,
                   provisional=family == "trn1",  # 32 GiB per device: Trn1 or Inf2
                   chip_memory=mem or None)
+
+
+def _count(row: dict, key: str, default: Any = KeyError) -> Any:
+    """An integer field of a neuron-ls row: a JSON integer (or its digits as a string), not
+    a boolean or a float; a missing one is `default` (KeyError: required)."""
+    if key not in row or (row[key] is None and default is not KeyError):
+        if default is KeyError:
+            raise KeyError(key)
+        return default
+    value = row[key]
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{key} {value!r} is not an integer")
+    return int(value)
 
 
 def _probe_dmi(root: str, notes: list[Evidence]) -> _Probe | None:

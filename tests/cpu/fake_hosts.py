@@ -44,9 +44,11 @@ def dmi(root: Path, product: str, vendor: str = "Amazon EC2") -> None:
     (d / "sys_vendor").write_text(vendor + "\n")
 
 
-def neuron_ls(bindir: Path, *, output: str | None = None, chips: int = 16, nc: int = 4,
-              memory: int = 103079215104, lnc: int | None = 2, sleep: float = 0) -> Path:
-    """A neuron-ls executable printing `output`, or a trn2-like JSON list."""
+def neuron_ls(bindir: Path, *, output: str | bytes | None = None, chips: int = 16,
+              nc: int = 4, memory: int = 103079215104, lnc: int | None = 2,
+              sleep: float = 0) -> Path:
+    """A neuron-ls executable printing `output` (bytes: written as they are), or a
+    trn2-like JSON list."""
     bindir.mkdir(parents=True, exist_ok=True)
     if output is None:
         rows = []
@@ -60,8 +62,9 @@ def neuron_ls(bindir: Path, *, output: str | None = None, chips: int = 16, nc: i
         output = json.dumps(rows)
     script = bindir / "neuron-ls"
     # A Python script named by absolute path, so it runs whatever PATH the test sets.
-    script.write_text(f"#!{sys.executable}\nimport time\ntime.sleep({sleep})\n"
-                      f"print({output!r})\n")
+    say = (f"import sys\nsys.stdout.buffer.write({output!r})\n" if isinstance(output, bytes)
+           else f"print({output!r})\n")
+    script.write_text(f"#!{sys.executable}\nimport time\ntime.sleep({sleep})\n{say}")
     script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
     return bindir
 

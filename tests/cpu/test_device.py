@@ -228,25 +228,32 @@ def test_neuron_ls_not_run_without_device_nodes(tmp_path):
     assert "no /dev/neuron*" in next(e.found for e in spec.evidence if e.step == "neuron-ls")
 
 
-@pytest.mark.parametrize("case", ["missing", "hangs", "garbage", "wrong-shape"])
+_GARBLED = {  # what a broken neuron-ls might print; each is unusable, none may crash
+    "garbage": "neuron-ls: this is not JSON",
+    "wrong-shape": '{"nc_count": 4}',
+    "not-utf8": b"\xff\xfe\x00garbage\n",
+    "huge-float": '[{"nc_count": 1e400, "memory_size": 103079215104}]',
+    "booleans": '[{"nc_count": 4, "memory_size": true, "logical_neuroncore_config": true}]',
+    "deep": "[" * 100000 + "]" * 100000,
+}
+
+
+@pytest.mark.parametrize("case", ["missing", "hangs", *_GARBLED])
 def test_bad_neuron_ls_falls_back_to_dmi(tmp_path, case):
     dev_nodes(tmp_path, 16)
     dmi(tmp_path, "trn2.48xlarge")
     bindir = tmp_path / "bin"
     if case == "hangs":
         neuron_ls(bindir, sleep=30)
-    elif case == "garbage":
-        neuron_ls(bindir, output="neuron-ls: this is not JSON")
-    elif case == "wrong-shape":
-        neuron_ls(bindir, output='{"nc_count": 4}')
+    elif case in _GARBLED:
+        neuron_ls(bindir, output=_GARBLED[case])
     else:
         bindir.mkdir()
     spec = dev.detect(root=str(tmp_path), environ=env(PATH=str(bindir)),
                       neuron_ls_timeout=0.5)
     assert (spec.family, spec.source, spec.cores) == ("trn2", "dmi", 64)
     note = next(e.found for e in spec.evidence if e.step == "neuron-ls")
-    expected = {"missing": "not found", "hangs": "timed out", "garbage": "unusable",
-                "wrong-shape": "unusable"}[case]
+    expected = {"missing": "not found", "hangs": "timed out"}.get(case, "unusable")
     assert expected in note
 
 
