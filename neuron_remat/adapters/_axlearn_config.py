@@ -45,6 +45,9 @@ _QKV = {"FusedGroupedQKVLinear": (True, True), "FusedQKVLinear": (True, False),
         "GroupedQKVLinear": (False, True), "QKVLinear": (False, False)}
 _QKV_WRAPPERS = ("RoFormerQKVLinear",)
 _NORMS = {"RMSNorm": "rms", "LayerNorm": "layer"}
+# The dense feed-forward the model describes; axlearn's mixture of experts
+# (mixture_of_experts.py's TransformerFeedForwardMoE) is another class, with its own tags.
+_FFN = ("TransformerFeedForwardLayer",)
 # axlearn's mesh axis names (common.py MESH_AXIS_NAMES) -> what they split.
 _AXES = {"pipeline": "pp", "data": "dp", "expert": "dp", "fsdp": "fsdp", "model": "tp",
          "seq": "seq"}
@@ -322,6 +325,10 @@ def describe_trainer(trainer_cfg: Any, *, device: DeviceSpec, hosts: int = 1,
                   or r.get(f"{attn_path}.mask", optional=True) is not None)
     ff_path = f"{layer_path}.feed_forward"
     ffn_names = _class_names(r.get(ff_path), ff_path)
+    if not any(n in _FFN for n in ffn_names):
+        raise ConfigReadError(f"{ff_path}.klass is {ffn_names[0]}; the model knows "
+                              f"{', '.join(_FFN)} and subclasses (a dense feed-forward, not "
+                              "a mixture of experts)")
     ffn = _ffn_dim(r, ff_path, dim)
     gated, act = _activation(r, ff_path)
     norm = _norm(r, layer_path)

@@ -6,6 +6,7 @@ import dataclasses
 import importlib.util
 import logging
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -467,6 +468,40 @@ def test_an_unreadable_field_is_an_error_naming_its_path(axlearn, trn2, edit, pa
     edit(cfg)
     with pytest.raises(ax.ConfigReadError, match=re.escape(path)):
         ax.plan_trainer(cfg, hosts=64)
+
+
+def test_a_mixture_of_experts_feed_forward_is_refused_not_read_as_dense(axlearn, trn2, caplog):
+    """axlearn's MoE feed-forward (mixture_of_experts.py, TransformerFeedForwardMoE: a
+    BaseLayer with hidden_dim, activation, norm and num_experts; declared here by name, as
+    the reader matches classes by name, since the real module needs more than the CPU
+    venv has) is not the dense layer the model describes: an error naming the path, and
+    the modifier keeps the config's spec with one warning."""
+    from axlearn.common.base_layer import BaseLayer
+    from axlearn.common.config import REQUIRED, Required, config_class
+
+    class TransformerFeedForwardMoE(BaseLayer):
+        @config_class
+        class Config(BaseLayer.Config):
+            input_dim: Required[int] = REQUIRED
+            hidden_dim: Required[int] = REQUIRED
+            num_experts: Required[int] = REQUIRED
+            activation: Any = "nn.relu"
+            norm: Any = None
+            structure: str = "prenorm"
+
+    cfg = _launch("70B", None)
+    ff = cfg.model.decoder.transformer.layer.feed_forward
+    cfg.model.decoder.transformer.layer.feed_forward = \
+        TransformerFeedForwardMoE.default_config().set(
+            num_experts=64, hidden_dim=ff.hidden_dim, activation=ff.activation, norm=ff.norm)
+    with pytest.raises(ax.ConfigReadError, match=re.escape(f"{LAYER}.feed_forward.klass is "
+                                                           "TransformerFeedForwardMoE")):
+        ax.plan_trainer(cfg, hosts=64)
+    before = _spec(cfg)
+    with caplog.at_level(logging.WARNING, logger="neuron_remat"):
+        out = ax.remat_plan_modifier(hosts=64).instantiate()(cfg)
+    assert _spec(out) is before
+    assert sum("TransformerFeedForwardMoE" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_a_required_field_left_unset_is_named(axlearn, trn2):
