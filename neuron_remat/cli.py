@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -28,8 +29,13 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 
+# With --json, stdout holds the JSON document alone: what the user's code prints while a
+# command imports, traces and compiles it (MaxText prints diagnostics) goes to stderr.
+_JSON_OUT: list[Any] = [None]
+
+
 def _print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, default=str))
+    print(json.dumps(obj, indent=2, default=str), file=_JSON_OUT[0] or sys.stdout)
 
 
 # --------------------------------------------------------------------------------------
@@ -685,8 +691,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    _JSON_OUT[0] = sys.stdout if as_json else None
     try:
-        return int(args.run(args))
+        with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+            return int(args.run(args))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -316,6 +316,45 @@ def test_cli_presets_json(capsys):
     assert rows["trn2-fuji-70b"]["save"] == [r".*[kqv]_proj", r".*linear1_[01]"]
 
 
+def test_cli_json_is_alone_on_stdout_when_user_code_prints(tmp_path, monkeypatch, capsys):
+    """A library that prints while it is imported, built and traced (MaxText prints
+    diagnostics): with --json that goes to stderr, and stdout parses."""
+    (tmp_path / "chatty.py").write_text(textwrap.dedent("""
+        import jax, jax.numpy as jnp
+        from jax.ad_checkpoint import checkpoint_name
+        print("[NO-OP] importing chatty")
+
+        def make():
+            print("[NO-OP] building the layer")
+            def f(x, w):
+                print("[NO-OP] tracing")
+                h = checkpoint_name(x @ w, "Mlp.linear2")
+                return jnp.sum(jnp.sin(h) @ w)
+            return f, (jnp.ones((4, 4)), jnp.ones((4, 4)))
+
+        def make_step():
+            print("[NO-OP] building the step")
+            def make_step(policy):
+                body = jax.checkpoint(lambda x, w: jnp.sin(checkpoint_name(x @ w, "h")) @ w,
+                                      policy=policy)
+                def loss(w, x):
+                    print("[NO-OP] tracing the step")
+                    c, _ = jax.lax.scan(lambda c, _: (body(c, w), None), x, None, length=2)
+                    return jnp.sum(c)
+                return jax.jit(jax.value_and_grad(loss))
+            return make_step, (jnp.ones((8, 8)), jnp.ones((4, 8)))
+    """))
+    monkeypatch.chdir(tmp_path)
+    assert main(["audit", "chatty:make", "--save", "Mlp.linear2", "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["tags"][0]["name"] == "Mlp.linear2"
+    assert "[NO-OP] tracing" in out.err and "[NO-OP]" not in out.out
+    assert main(["fit", "chatty:make_step", "--dry-run", "--json", "--device",
+                 "trn2.48xlarge:hbm=1GiB:cores=1"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["candidates"] and "[NO-OP] tracing the step" in out.err
+
+
 def test_cli_audit_of_user_code(tmp_path, monkeypatch, capsys):
     (tmp_path / "my_layers.py").write_text(textwrap.dedent("""
         import jax.numpy as jnp
