@@ -105,6 +105,10 @@ def _warn_once(cause: tuple[str, ...], message: str, *args: Any) -> None:
 # Set while resolve_policy asks the providers: it checks the final answer across processes,
 # so the provider need not check its own as well.
 _IN_RESOLVE: contextvars.ContextVar[bool] = contextvars.ContextVar("_in_resolve", default=False)
+# Set while a host adapter resolves a policy whose outcome it checks across processes itself
+# (axlearn's `modify`: what it leaves in the config, whichever way it got there).
+_CALLER_AGREES: contextvars.ContextVar[bool] = contextvars.ContextVar("_caller_agrees",
+                                                                      default=False)
 
 
 @dataclass(frozen=True)
@@ -179,9 +183,10 @@ def resolve_policy(*, default: Callable[..., Any] | None = None, layer: str | No
         choice = _ask_providers(default, layer, stack, cse, group, context)
     finally:
         _IN_RESOLVE.reset(token)
-    multihost.agree(choice.policy, choice.prevent_cse, what=_site(layer, stack),
-                    context={"group": group, "layer": layer, "stack": stack,
-                             "prevent_cse": prevent_cse, "default": default, **context})
+    if not _CALLER_AGREES.get():
+        multihost.agree(choice.policy, choice.prevent_cse, what=_site(layer, stack),
+                        context={"group": group, "layer": layer, "stack": stack,
+                                 "prevent_cse": prevent_cse, "default": default, **context})
     return choice
 
 
@@ -206,10 +211,21 @@ def _ask_providers(default: Any, layer: str | None, stack: str, cse: bool, group
         if answer is None:
             continue
         if isinstance(answer, RematChoice):
-            return dataclasses.replace(answer, provider=answer.provider or name)
-        if hasattr(answer, "policy"):
-            return RematChoice(answer.policy, bool(getattr(answer, "prevent_cse", cse)), name)
-        return RematChoice(answer, cse, name)
+            choice = dataclasses.replace(answer, provider=answer.provider or name)
+        elif hasattr(answer, "policy"):
+            choice = RematChoice(answer.policy, bool(getattr(answer, "prevent_cse", cse)), name)
+        else:
+            choice = RematChoice(answer, cse, name)
+        if choice.policy is not None and not callable(choice.policy):
+            # not a policy jax.checkpoint can call: skipped like a provider that raised
+            text = (f"remat policy provider {name!r} answered {type(choice.policy).__name__} "
+                    f"{multihost.describe_policy(choice.policy)[:100]}, not a callable "
+                    "policy; ignoring it")
+            if _flag(STRICT_ENV):
+                raise TypeError(text)
+            _warn_once(("provider answer", name, type(choice.policy).__name__), "%s", text)
+            continue
+        return choice
     return RematChoice(default, cse, None, "no provider answered: the host's default")
 
 

@@ -40,6 +40,7 @@ from typing import Any
 from .. import planner
 from ..device import DeviceSpec, detect, from_instance_type
 from .. import multihost, plugin
+from ..multihost import PolicyMismatchError
 from ..plugin import resolve_policy
 from .. import policies
 from ..policies import RegexPolicy
@@ -116,8 +117,9 @@ def _settings(policy: RegexPolicy, prevent_cse: bool, layer_path: str = LAYER_PA
 
 def remat_settings(stack_class: Any, **context: Any) -> RematSettings | None:
     """The settings for the policy the ``jax_remat_policy`` providers resolve for
-    `context`, or None when none answered (or the stack is pipelined): the config's own
-    remat_spec then stands."""
+    `context`, or None when none answered, the stack is pipelined, or the answer is not a
+    `RegexPolicy` (another provider's; one warning, a TypeError under
+    ``NEURON_REMAT_STRICT``): the config's own remat_spec then stands."""
     kind = stack_kind(stack_class)
     if kind == "pipelined":
         return None
@@ -126,7 +128,16 @@ def remat_settings(stack_class: Any, **context: Any) -> RematSettings | None:
         return None
     policy = choice.policy
     if not isinstance(policy, RegexPolicy):
-        raise TypeError(f"axlearn configs need a regex policy; the provider returned {policy!r}")
+        # another provider's answer that axlearn's regex closure cannot express: not one
+        # this host can use, so the config's own spec stands (raised under strict)
+        shown = multihost.describe_policy(policy)[:200]
+        text = (f"provider {choice.provider!r} answered {shown}, not a RegexPolicy; "
+                "axlearn's remat_spec takes a regex of names")
+        if plugin._flag(plugin.STRICT_ENV):  # noqa: SLF001
+            raise TypeError(text)
+        plugin._warn_once(("axlearn regex", choice.provider),  # noqa: SLF001
+                          "neuron_remat: %s; remat_spec left as it is", text)
+        return None
     return _settings(policy, choice.prevent_cse)
 
 
@@ -315,23 +326,24 @@ def _define_modifier(config_modifier: Any, config_class: Any, config_for_functio
 
         def __call__(self, cfg: Any) -> Any:
             c = self.config
+            result = None
             if plugin._flag(plugin.DISABLE_ENV):  # noqa: SLF001 - the plugin's own switch
                 logger.info("neuron_remat: %s is set; remat_spec left as it is",
                             plugin.DISABLE_ENV)
-                return cfg
-            strict = plugin._flag(plugin.STRICT_ENV) if c.strict is None else c.strict  # noqa: SLF001
-            try:
-                result = plan_trainer(cfg, instance_type=c.instance_type, hosts=c.hosts,
-                                      reserve=c.reserve, stack_path=c.stack_path)
-            except Exception as err:
-                if strict:
-                    raise
-                plugin._warn_once(  # noqa: SLF001 - one warning per cause, as the plugin's
-                    ("axlearn modifier", type(err).__name__, str(err)),
-                    "neuron_remat: no remat plan (%s: %s); remat_spec left as it is",
-                    type(err).__name__, err)
-                result = None
+            else:
+                strict = plugin._flag(plugin.STRICT_ENV) if c.strict is None else c.strict  # noqa: SLF001
+                try:
+                    result = plan_trainer(cfg, instance_type=c.instance_type, hosts=c.hosts,
+                                          reserve=c.reserve, stack_path=c.stack_path)
+                except Exception as err:
+                    if strict:
+                        raise
+                    plugin._warn_once(  # noqa: SLF001 - one warning per cause, as the plugin's
+                        ("axlearn modifier", type(err).__name__, str(err)),
+                        "neuron_remat: no remat plan (%s: %s); remat_spec left as it is",
+                        type(err).__name__, err)
             # every process must leave the stack the same way: planned alike, or all left
+            # (a process where the plugin is off leaves it, and says so to the others)
             multihost.agree(None if result is None else result.plan.policy,
                             None if result is None else result.settings.prevent_cse,
                             what=f"{c.stack_path} (remat_plan_modifier)",
@@ -391,35 +403,53 @@ def modify(trainer_cfg: Any, *, spec_factory: Callable[..., Any] | None = None,
     provider answered, ``NEURON_REMAT_DISABLE`` is set, or the device or the config cannot
     be read (one warning; raised under ``NEURON_REMAT_STRICT``).
     `spec_factory(stack_class, **context)` defaults to `remat_spec`."""
-    if plugin._flag(plugin.DISABLE_ENV):  # noqa: SLF001 - the plugin's own switch
-        return trainer_cfg
+    spec = None
+    if not plugin._flag(plugin.DISABLE_ENV):  # noqa: SLF001 - the plugin's own switch
+        token = plugin._CALLER_AGREES.set(True)  # noqa: SLF001 - agreed below, once
+        try:
+            spec = _modified_spec(trainer_cfg, spec_factory, context)
+        finally:
+            plugin._CALLER_AGREES.reset(token)  # noqa: SLF001
+    # every process must leave the stack the same way, whichever way each got there (the
+    # plugin off, the config unreadable, no provider answering, or a spec): checked on
+    # what is left in the config
+    multihost.agree(None if spec is None else spec, None, what=f"{STACK_PATH} (modify)",
+                    context={"stack_path": STACK_PATH})
+    if spec is not None:
+        _get(trainer_cfg, STACK_PATH).layer.remat_spec = spec
+    return trainer_cfg
+
+
+def _modified_spec(trainer_cfg: Any, spec_factory: Callable[..., Any] | None,
+                   context: dict[str, Any]) -> Any:
+    """`modify`'s spec for the stack, or None to leave it (after one warning when it could
+    not decide; raised under ``NEURON_REMAT_STRICT``)."""
     try:
         stack = _get(trainer_cfg, STACK_PATH)
         if "model" not in context:
             device = context.pop("device", None) or detect()
             hosts = context.pop("hosts", None)
             if not device.is_neuron or stack_kind(stack.klass) == "pipelined":
-                return trainer_cfg
+                return None
             desc = describe_trainer(trainer_cfg, device=device,
                                     hosts=hosts or _process_count())
             context = {"model": desc.config, "shape": desc.shape,
                        "parallelism": desc.parallelism, "tags": list(desc.emitted),
                        "device": device, **context}
+        if isinstance(stack.layer, (list, tuple)):
+            raise ConfigReadError(f"{STACK_PATH}.layer is a list of {len(stack.layer)} layer "
+                                  "configs (apply_per_layer's); modify sets one remat_spec")
+        return (spec_factory or remat_spec)(stack.klass, **context)
+    except PolicyMismatchError:
+        raise
     except Exception as err:
         if plugin._flag(plugin.STRICT_ENV):  # noqa: SLF001
             raise
         plugin._warn_once(  # noqa: SLF001
             ("axlearn modify", type(err).__name__, str(err)),
-            "neuron_remat: cannot read the trainer config for a remat plan (%s: %s); "
-            "remat_spec left as it is", type(err).__name__, err)
-        # the other processes may have read theirs: that they differ is reported, not waited
-        multihost.agree(None, None, what=f"{STACK_PATH} (modify)", context={})
-        return trainer_cfg
-    spec = (spec_factory or remat_spec)(stack.klass, **context)
-    if spec is None:
-        return trainer_cfg
-    stack.layer.remat_spec = spec
-    return trainer_cfg
+            "neuron_remat: no remat plan for the trainer config (%s: %s); remat_spec left "
+            "as it is", type(err).__name__, err)
+        return None
 
 
 # --------------------------------------------------------------------------------------

@@ -524,6 +524,30 @@ def test_modify_after_the_mesh_rule_reads_the_config(axlearn, trn2):
     assert _policy_kwargs(_spec(cfg)) == expected.settings.policy_kwargs
 
 
+def test_modify_with_a_model_falls_back_on_a_stack_it_cannot_set(axlearn, trn2, caplog):
+    """modify(model=...) skips reading the config, not checking it: an unknown stack class,
+    or a layer list apply_per_layer left, keeps the config as it is with one warning
+    each (before: a ValueError and an AttributeError out of the host's launcher)."""
+    from axlearn.common.base_layer import BaseLayer
+
+    class MyStack(BaseLayer):  # the user's own stack, not one of axlearn's three
+        pass
+
+    odd = _launch("7B", None, single_host=True)
+    odd.model.decoder.transformer.klass = MyStack
+    listed = _launch("70B", None)
+    assert ax.apply_per_layer(listed, hosts=64, max_sets=2) is not None
+    assert isinstance(listed.model.decoder.transformer.layer, list)
+    with caplog.at_level(logging.WARNING, logger="neuron_remat"):
+        for cfg in (odd, odd, listed, listed):
+            layer = cfg.model.decoder.transformer.layer
+            assert ax.modify(cfg, model="llama3-8b") is cfg
+            assert cfg.model.decoder.transformer.layer is layer
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said
+    assert "MyStack" in said[0] and "apply_per_layer" in said[1]
+
+
 def test_modify_falls_back_on_what_it_cannot_read(axlearn, monkeypatch, caplog):
     """modify() leaves the config as it is, with one warning, when the device cannot be
     read; under NEURON_REMAT_STRICT it raises; NEURON_REMAT_DISABLE leaves it alone."""
@@ -638,6 +662,52 @@ def test_hosts_that_would_leave_the_stack_differently_are_stopped(tmp_path):
     compile different programs; the modifier's agreement check stops both."""
     outs = _two_processes(tmp_path, _MISMATCH_JOB, NEURON_REMAT_AGREEMENT_TIMEOUT="60")
     assert outs == ["PolicyMismatchError", "PolicyMismatchError"], outs
+
+
+_DISABLED_JOB = r"""
+import os, sys
+me = sys.argv[1]
+if me == "0":
+    os.environ["NEURON_REMAT_DISABLE"] = "1"  # the plugin is off on this process only
+elif os.environ["OTHER"] == "plans":
+    # seeing half the cores, this one plans; seeing all, the 7B config's global batch of
+    # 16 does not divide over them, and it cannot
+    os.environ["NEURON_RT_VISIBLE_CORES"] = "0-31"
+import jax
+jax.distributed.initialize(coordinator_address=os.environ["COORD"], num_processes=2,
+                           process_id=int(me), initialization_timeout=60)
+jax.devices()  # as a launcher has by now: the backend joins every process once
+sys.path.insert(0, os.environ["FIXTURES"])
+import axlearn_fixtures as fx
+from neuron_remat.adapters import axlearn as ax
+with fx.on_path():
+    try:
+        if os.environ["CALL"] == "modifier":
+            fx.launched(fx.fuji("7B", single_host=True, plan=ax.remat_plan_modifier()))
+        else:
+            ax.modify(fx.launched(fx.fuji("7B", single_host=True)))
+    except Exception as err:
+        print(type(err).__name__)
+        raise SystemExit(0)
+print("no error")
+"""
+
+
+@pytest.mark.parametrize("call", ["modifier", "modify"])
+@pytest.mark.parametrize("other, expected", [("cannot", "no error"),
+                                             ("plans", "PolicyMismatchError")])
+def test_a_process_with_the_plugin_off_tells_the_others(tmp_path, call, other, expected):
+    """Two processes, NEURON_REMAT_DISABLE=1 on one. Where the other cannot plan either,
+    both leave the rule's spec and the job goes on; where the other plans, the two would
+    compile different programs and both stop, at once (the timeout is 120 s; before, the
+    disabled one published nothing and the other waited all of it, then said "silent")."""
+    import time
+
+    start = time.monotonic()
+    outs = _two_processes(tmp_path, _DISABLED_JOB, NEURON_REMAT_AGREEMENT_TIMEOUT="120",
+                          CALL=call, OTHER=other)
+    assert outs == [expected, expected], outs
+    assert time.monotonic() - start < 60
 
 
 @pytest.mark.skipif(not hasattr(jax.config, "jax_remat3"), reason="JAX has no jax_remat3")

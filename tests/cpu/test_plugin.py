@@ -219,7 +219,10 @@ def extra_providers(tmp_path, monkeypatch):
 
         def dots(**context):
             return checkpoint_policies.dots_saveable if context.get("layer") == "dots" else None
-    """), {"aaa_broken": "broken", "aab_dots": "dots"})
+
+        def named(**context):  # a policy's name, not the policy
+            return "dots_saveable" if context.get("layer") == "named" else None
+    """), {"aaa_broken": "broken", "aab_dots": "dots", "aac_named": "named"})
     monkeypatch.syspath_prepend(str(tmp_path))
     plugin.clear_cache()
     yield
@@ -241,6 +244,25 @@ def test_first_answer_in_name_order_wins_and_a_broken_provider_is_skipped(
     monkeypatch.setenv("NEURON_REMAT_STRICT", "1")
     with pytest.raises(RuntimeError, match="provider bug"):
         nr.resolve_policy(layer="decoder")
+
+
+def test_an_answer_a_host_cannot_use_is_skipped_with_one_warning(
+        extra_providers, monkeypatch, caplog):
+    """A provider answering a string is skipped, as one that raised: the next answers (a
+    string would reach jax.checkpoint and fail at trace time). axlearn's remat_spec takes a
+    regex of names: another provider's dots_saveable leaves the config's spec, with one
+    warning, not a TypeError."""
+    from neuron_remat.adapters import axlearn as ax
+
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", "trn2.48xlarge")
+    with caplog.at_level(logging.WARNING, logger="neuron_remat"):
+        for _ in range(2):
+            choice = nr.resolve_policy(layer="named")
+            assert choice.provider == "neuron_remat" and callable(choice.policy)
+            assert ax.remat_settings("RepeatedTransformerLayer", layer="dots") is None
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("'aac_named' answered str" in m for m in said) == 1
+    assert sum("'aab_dots' answered" in m and "RegexPolicy" in m for m in said) == 1
 
 
 # --- a provider's prevent_cse ------------------------------------------------------------------
