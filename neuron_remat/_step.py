@@ -15,7 +15,7 @@ worth deciding.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,7 +208,7 @@ def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
     implementation the host really runs."""
     with remat3_off():
         try:
-            closed = jax.make_jaxpr(_jitted(make_step(save_only_these_names())))(*args)
+            closed = _traced(make_step(save_only_these_names()), args)
         except Exception as err:  # noqa: BLE001  the user's step, failing as it will
             raise StepTraceError(
                 f"make_step(policy)(*args) raised {type(err).__name__} when traced: "
@@ -228,10 +228,20 @@ def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
     # keeps nothing and saves nothing, and the plan says so).
     tags.update((e.params["name"], None) for e, _ in _jaxpr._walk(closed.jaxpr)
                 if _jaxpr.is_name_primitive(e.primitive))
-    no_remat = jax.make_jaxpr(_jitted(make_step(
-        jax.checkpoint_policies.everything_saveable)))(*args)
+    no_remat = _traced(make_step(jax.checkpoint_policies.everything_saveable), args)
     return StepGraph(tuple(layers), tuple(tags), _jaxpr.jaxpr_cost(no_remat.jaxpr).flops,
                      STORED_ITEMSIZE.get(jax.default_backend(), {}))
+
+
+def _traced(step: Any, args: Sequence[Any]) -> Any:
+    """The step's closed jaxpr as its jit traces it: a ``jax.jit`` with static arguments
+    keeps them static (``make_jaxpr`` would make every argument a tracer); a wrapper
+    without ``trace`` (``eqx.filter_jit``) is traced through ``make_jaxpr``."""
+    jitted = _jitted(step)
+    trace = getattr(jitted, "trace", None)
+    if callable(trace):
+        return trace(*args).jaxpr
+    return jax.make_jaxpr(jitted)(*args)
 
 
 def _named(candidates: Iterable[str] | str) -> list[str]:

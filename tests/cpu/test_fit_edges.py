@@ -373,3 +373,23 @@ def test_an_equinox_filter_jit_step_gives_its_memory_figures(xla):
     m = inner.memory_analysis()
     assert plan.compiled.bytes == (m.argument_size_in_bytes + m.output_size_in_bytes
                                    + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def test_a_step_jitted_with_a_static_argument_is_traced_as_its_jit_traces_it(xla):
+    """``jax.jit(step, static_argnums=2)`` with a Python float learning rate: fit traces
+    it with the learning rate static, as its own compile does (before: every argument a
+    tracer, and "Non-hashable static arguments" blamed on the user's step)."""
+    def make(policy):
+        def update(p, x, lr):
+            g = jax.grad(lambda p: jnp.mean(nr.scan_layers(_layer, p, x, policy) ** 2))(p)
+            return jax.tree.map(lambda a, b: a - lr * b, p, g)
+
+        return jax.jit(update, static_argnums=2, donate_argnums=(0,))
+
+    args = (*ARGS, 1e-2)
+    device, reserve = _device(xla[("h1", "h2")] + 4 * MiB)
+    plan = nr.fit(make, *args, device=device, reserve=reserve, progress=lambda line: None)
+    m = make(plan.policy).lower(*args).compile().memory_analysis()
+    assert plan.compiled.bytes == (m.argument_size_in_bytes + m.output_size_in_bytes
+                                   + m.temp_size_in_bytes - m.alias_size_in_bytes)
+    assert plan.saved_tags == ("h1", "h2")  # every tag fits there, as the fixture's step
