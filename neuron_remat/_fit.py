@@ -96,7 +96,7 @@ from ._compile import (OOM_SIGNALS, CompileFailedError, Probe, _Compiled, _polic
                        compile_named, out_of_memory)
 from ._format import fmt_bytes, grid, tag_list
 from ._mix import MIX_COMPILES, fit_per_layer
-from ._search import (DEFAULT_BAND, NO_REMAT, TIGHT, _Candidate, _candidates, _frontier,
+from ._search import (DEFAULT_BAND, FLOOR, NO_REMAT, TIGHT, _Candidate, _candidates, _frontier,
                       _max_compiles, _Model, _oracle_cap, _PolicyIgnored, _Search, _stretch,
                       _what)
 from ._step import LayerBackward, StepGraph, StepTraceError, _named, _pool, step_graph
@@ -498,11 +498,13 @@ class FitPreview:
     measured: bool
     step_flops: float
     stretch: int = 0
+    tight: bool | None = None  # full remat over or within TIGHT x the uncertainty (band)
 
     def to_dict(self) -> dict[str, Any]:
         return {"limit_bytes": self.limit_bytes, "tags": list(self.tags),
                 "max_compiles": self.max_compiles, "stretch": self.stretch,
-                "measured": self.measured,
+                "tight": self.tight, "measured": self.measured,
+                "step_flops": self.step_flops,
                 "full_remat": dataclasses.asdict(self.full_remat),
                 "candidates": [{"saved": None if s is None else list(s),
                                 "no_remat": s is None, "predicted_bytes": b,
@@ -529,6 +531,10 @@ class FitPreview:
             + (f"{self.max_compiles + self.stretch} where full remat does not fit or is "
                f"within {TIGHT:g} x the uncertainty of the limit; " if self.stretch else "")
             + "predictions calibrated on full remat alone)")
+        if self.stretch and self.tight is not None:
+            lines.append(f"dry run: here full remat is {'' if self.tight else 'not '}that "
+                         f"close: at most {self.max_compiles + self.tight * self.stretch} "
+                         "compiles")
         return "\n".join(lines)
 
 
@@ -537,7 +543,7 @@ def fit_preview(make_step: Callable[[Any], Any], *args: Any,
                 **plan_options: Any) -> FitPreview:
     """`fit`'s dry run: compile full remat only, and list the save sets fit would choose
     its compiles among (the predicted frontier), with their predicted bytes."""
-    device, hbm, held, limit, graph, tags, max_compiles, _ = _setup(
+    device, hbm, held, limit, graph, tags, max_compiles, band = _setup(
         make_step, args, device, reserve, plan_options)
     cands = _candidates(graph, tags)
     full = next(c for c in cands if c.saved == ())
@@ -554,10 +560,14 @@ def fit_preview(make_step: Callable[[Any], Any], *args: Any,
                   reported_bytes=r.reported)
     budget = max_compiles or (_max_compiles(len(tags)) if measured else
                               _oracle_cap(len(front)))
+    tight = None
+    if measured and r.bytes:  # the rescue's test (`_Search.run`), on this compile
+        sigma = max(band * r.bytes, FLOOR * r.bytes)
+        tight = r.bytes > limit or limit - r.bytes < TIGHT * sigma
     return FitPreview(limit, probe, tuple(tags),
                       tuple((c.saved, model.predict(c.stored, c.read), float(c.recompute))
                             for c in front), budget, measured, float(graph.no_remat_flops),
-                      _stretch(len(tags), budget_given=max_compiles is not None))
+                      _stretch(len(tags), budget_given=max_compiles is not None), tight)
 
 
 def fit_table(plan: Plan) -> str:

@@ -748,7 +748,10 @@ class _Search:
             self.max_compiles = total
             return self._walk()
         best = self.best()
-        if self.fits(()):
+        if not any(c.saved for c in self.candidates):
+            self.stop = ("no tag is a candidate: full remat is the only save set"
+                         + ("" if self.fits(()) else ", and it does not fit"))
+        elif self.fits(()):
             self.stop = (f"full remat fits tightly; each tag alone and the sets most likely "
                          f"to fit came out over ({self.used} compiles)")
         else:

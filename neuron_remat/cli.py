@@ -468,6 +468,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         options["candidates"] = args.candidates
     if args.max_compiles is not None:
         options["max_compiles"] = args.max_compiles
+    if args.band is not None:
+        options["band"] = args.band
     if args.dry_run:
         print("dry run: compiling full remat only ...", file=sys.stderr, flush=True)
         try:
@@ -481,8 +483,6 @@ def _cmd_fit(args: argparse.Namespace) -> int:
             print(f"{args.target} on {device.describe()}")
             print(preview.table())
         return 0
-    if args.band is not None:
-        options["band"] = args.band
     options["progress"] = lambda line: print(line, file=sys.stderr, flush=True)
     try:
         chosen = fit(make_step, *fargs, device=device, reserve=reserve, **options)

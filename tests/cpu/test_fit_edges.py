@@ -393,3 +393,17 @@ def test_a_step_jitted_with_a_static_argument_is_traced_as_its_jit_traces_it(xla
     assert plan.compiled.bytes == (m.argument_size_in_bytes + m.output_size_in_bytes
                                    + m.temp_size_in_bytes - m.alias_size_in_bytes)
     assert plan.saved_tags == ("h1", "h2")  # every tag fits there, as the fixture's step
+
+
+def test_the_dry_run_says_whether_band_puts_full_remat_close_to_the_limit(xla):
+    """--band sets the uncertainty the dry run's budget depends on: full remat (compiled
+    here) 10% under the limit is within TIGHT (4) x a band of 0.5, not of 0.02 (the floor,
+    2%, gives 8%)."""
+    full = xla[()]
+    device, reserve = _device(int(full * 1.10))
+    for band, tight in ((0.02, False), (0.5, True)):
+        pre = F.fit_preview(make_step, *ARGS, device=device, reserve=reserve, band=band)
+        assert pre.full_remat.bytes == full
+        assert pre.tight is tight and pre.to_dict()["tight"] is tight
+        assert pre.to_dict()["step_flops"] == pre.step_flops > 0
+        assert f"here full remat is {'' if tight else 'not '}that close" in pre.table()
