@@ -397,6 +397,9 @@ def _load_factory(spec: str) -> Any:
         raise UsageError(f"target {spec}() must return (fn, args); got "
                          f"{type(made).__name__}")
     fn, fargs = made
+    if isinstance(fargs, (dict, str, bytes)) or hasattr(fargs, "keys"):
+        raise UsageError(f"target {spec}() returned args of type {type(fargs).__name__}; "
+                         "give a tuple of the positional arguments")
     try:
         return fn, tuple(fargs)
     except TypeError:
@@ -682,6 +685,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     --strict: 2), 2 bad input (one line, never a traceback), 3 an internal error (a bug;
     ``-v`` prints its traceback), 130 interrupted."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    # "--reserve -3GiB": argparse would read the value as an option and say only "expected
+    # one argument"; joined, the reserve's own check names the value
+    argv = [f"{a}={argv[i + 1]}" if a == "--reserve" and i + 1 < len(argv)
+            and argv[i + 1].startswith("-") and not argv[i + 1].startswith("--") else a
+            for i, a in enumerate(argv)
+            if not (i > 0 and argv[i - 1] == "--reserve" and a.startswith("-")
+                    and not a.startswith("--"))]
     as_json = "--json" in argv
     verbose = "-v" in argv or "--verbose" in argv
     try:

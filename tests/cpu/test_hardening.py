@@ -444,6 +444,7 @@ def test_cli_count_padded_with_other_spaces_is_refused(text):
     (["--reserve", "9" * 309], ["--reserve", "fraction"]),
     (["--reserve", "9" * 30 + "GiB"], ["--reserve", "larger than"]),
     (["--reserve", "nan"], ["--reserve", "fraction"]),
+    (["--reserve", "-3GiB"], ["--reserve", "'-3GiB'"]),  # was "expected one argument"
     (["--device", "cpu"], ["a CPU has no HBM to plan for"]),
     (["--device", "trn2.48xlarge:cores=65"], ["cores=65", "1-64"]),
     (["--tp", "٣"], ["--tp", "'٣'"]),
@@ -487,6 +488,7 @@ def test_cli_audit_targets_and_patterns(tmp_path, monkeypatch):
     (tmp_path / "user_mod.py").write_text(
         "def boom():\n    raise RuntimeError('nope')\n"
         "def three():\n    return 3\n"
+        "def keyed():\n    return (lambda x: x), {'x': 1.0}\n"
         "value = 7\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     cases = [
@@ -494,6 +496,7 @@ def test_cli_audit_targets_and_patterns(tmp_path, monkeypatch):
         (["no_such_module_xyz:f"], "cannot import 'no_such_module_xyz'"),
         (["user_mod:boom"], "user_mod:boom() raised RuntimeError: nope"),
         (["user_mod:three"], "must return (fn, args)"),
+        (["user_mod:keyed"], "returned args of type dict; give a tuple"),  # was its keys
         (["user_mod:value"], "not a function"),
         (["user_mod"], "not MODULE:FUNCTION"),
         # Patterns are checked before the target runs; two patterns may reuse a group name.
