@@ -38,6 +38,7 @@ import contextvars
 import dataclasses
 import functools
 import logging
+import numbers
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -46,7 +47,7 @@ from typing import Any
 
 from . import models, multihost, planner, policies
 from .device import _ENV_KEYS as _DEVICE_ENV
-from .device import DeviceSpec, detect
+from .device import DeviceSpec, as_device, detect
 from .multihost import PolicyMismatchError
 
 __all__ = [
@@ -379,10 +380,11 @@ def _provide(layer: str | None, stack: str, model: Any, tags: Any, shape: Any,
              layer_index: int | None = None) -> RematChoice | None:
     _check_stack(stack)
     if layer_index is not None and (isinstance(layer_index, bool) or not isinstance(
-            layer_index, int) or layer_index < 0):
-        raise ValueError(f"layer_index={layer_index!r}: give the layer's number in its "
-                         "stack (an int from 0)")
-    device = device or detect()
+            layer_index, numbers.Integral) or layer_index < 0):
+        raise _Refusal(f"layer_index={layer_index!r}: give the layer's number in its "
+                       "stack (an int from 0)", cause=("layer_index", type(layer_index).__name__))
+    layer_index = None if layer_index is None else int(layer_index)  # numpy's too
+    device = as_device(device, "provide(device=...)") or detect()
     if not device.is_neuron:
         logger.debug("neuron_remat: %s is not a Neuron device; no opinion", device.family)
         return None
@@ -395,8 +397,9 @@ def _provide(layer: str | None, stack: str, model: Any, tags: Any, shape: Any,
     if model is None:
         policy = policies.trn2_preset(vocab)
         if names is not None and not any(policy.action(t) == "save" for t in names):
-            raise ValueError(f"the trn2-fuji-70b preset matches none of the tags {names}; "
-                             "describe the model (model=...) so a policy can be planned")
+            raise _Refusal(f"the trn2-fuji-70b preset matches none of the tags {names}; "
+                           "describe the model (model=...) so a policy can be planned",
+                           cause=("preset matches no tag",))
         return RematChoice(policy, cse, PROVIDER_NAME,
                            reason="no model described: axlearn's TRN2 preset")
     config = _as_config(model, vocab)

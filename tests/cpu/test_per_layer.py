@@ -145,6 +145,10 @@ def test_provider_and_adapters_answer_per_layer_index(monkeypatch):
     assert whole.layer_policies is not None and len(set(whole.layer_policies)) == 2
     got = [plugin.provide(layer_index=i, **ctx).policy for i in range(4)]
     assert got == list(whole.layer_policies)
+    # numpy's integers (a host looping over np.arange) are layer numbers too
+    plugin.clear_cache()
+    assert [plugin.provide(layer_index=i, **ctx).policy
+            for i in np.arange(4)] == list(whole.layer_policies)
     assert plugin.provide(**ctx).policy == whole.policy  # no index: the uniform plan
     f = nr.checkpoint(lambda x: x, layer_index=3, **ctx)
     x = jnp.ones(3)

@@ -114,6 +114,12 @@ def test_failures_warn_once_and_the_default_stands(monkeypatch, caplog):
     assert "default policy stands" in warnings[0].getMessage()
 
 
+def test_provide_takes_a_device_string_as_fit_and_plan_do():
+    plan = nr.plan(nr.parse_device("trn2.48xlarge"), "llama3-8b", nr.StepShape(seq_len=4096))
+    got = plugin.provide(device="trn2.48xlarge", model="llama3-8b", shape={"seq_len": 4096})
+    assert got.policy == plan.policy  # before: AttributeError, and the host's default
+
+
 def test_a_refusal_naming_each_layer_warns_once(monkeypatch, caplog):
     """Once per cause, whatever the number of layers: refusals whose message names the
     layer (its number, its tag names) are one cause."""
@@ -127,9 +133,16 @@ def test_a_refusal_naming_each_layer_warns_once(monkeypatch, caplog):
     for i in range(30, 34):  # past the 16 layers per core of 2 pipeline stages
         assert plugin.provide(layer=f"layer{i}", layer_index=i,
                               parallelism={"tp": 4, "fsdp": -1, "pp": 2}, **common) is None
+    for i in range(4):  # no model: the preset, against per-layer names it does not match
+        assert plugin.provide(layer=f"layers.{i}", tags=[f"layers.{i}.query"],
+                              stack="stacked") is None
+    for i in (1.5, "2"):  # not layer numbers, once per kind
+        assert plugin.provide(layer_index=i, **common) is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 2, warnings
+    assert len(warnings) == 5, warnings
     assert "match none of the tags" in warnings[0] and "is past the" in warnings[1]
+    assert "preset matches none" in warnings[2]
+    assert "layer_index=1.5" in warnings[3] and "layer_index='2'" in warnings[4]
 
 
 def test_a_model_that_cannot_fit_falls_back(monkeypatch, caplog):
