@@ -473,7 +473,8 @@ def _make_plan(graph: StepGraph, best: _Candidate, cands: Sequence[_Candidate],
         budget_bytes_per_layer=(kept + max(limit - int(compiled.bytes or 0), 0)) // layers,
         recompute_flops_per_layer=recompute / layers, decisions=tuple(decisions),
         runner_ups=tuple(runner), layers_per_core=layers, inflight=1, device=device,
-        forward_flops_per_layer=fwd, notes=tuple(notes), compiled=record)
+        forward_flops_per_layer=fwd, notes=tuple(notes), compiled=record,
+        no_remat_bytes_per_layer=graph.no_remat_kept_bytes() // layers)
 
 
 # --------------------------------------------------------------------------------------

@@ -182,7 +182,10 @@ class Plan:
     @property
     def predicted_bytes_per_core(self) -> int:
         """State + kept activations + workspace: the predicted peak per core (reserve not
-        included)."""
+        included). For `fit`'s plans, the compiled step's bytes (`CompiledFit.bytes`:
+        measured, or the model's where the backend reports none)."""
+        if self.compiled is not None and getattr(self.compiled, "bytes", None) is not None:
+            return int(self.compiled.bytes)
         if self.budget is None:
             return self.activation_bytes
         return self.budget.state.total_bytes + self.activation_bytes + self.workspace_bytes

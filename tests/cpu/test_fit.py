@@ -399,6 +399,10 @@ def test_cli_fit_prints_probes_and_json(brute):
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     assert d["compiled"]["bytes"] <= hbm and d["compiled"]["compiles"] >= 2
+    # the plan's peak is its compile's, as plan's is its prediction (before: the kept
+    # activations alone); no remat keeps more per layer than the plan
+    assert d["predicted_bytes_per_core"] == d["compiled"]["bytes"]
+    assert d["no_remat_bytes_per_layer"] > d["kept_bytes_per_layer"] > 0
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("compile ")]
     assert len(lines) == 2 * d["compiled"]["compiles"]  # start, result
     assert "at most 6 compiles" in out.stderr  # said up front
