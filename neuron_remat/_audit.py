@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,8 @@ import jax
 from . import _jaxpr, _trace
 from ._format import first_line, fmt_bytes, grid
 from .policies import RegexPolicy
+
+logger = logging.getLogger("neuron_remat.audit")
 
 __all__ = ["AuditReport", "DeadPatternError", "LayerError", "TagAudit", "audit"]
 
@@ -64,6 +67,9 @@ class AuditReport:
     saved_param_bytes: int = 0  # parameters JAX keeps: model state, not activations
     activation_argnums: tuple[int, ...] = ()
     per_shard: bool = False  # tags inside a shard_map: `TagAudit.bytes` per shard
+    # jax.checkpoint calls inside the function (nn.remat, filter_checkpoint): their own
+    # policy decides what they keep, and the figures are against that function
+    inner_checkpoints: int = 0
 
     @property
     def saved_bytes(self) -> int:
@@ -106,7 +112,15 @@ class AuditReport:
         if self.per_shard:
             lines.append("note: a tag's bytes are per shard inside a shard_map; kept is what "
                          "JAX keeps, all shards together")
+        if self.inner_checkpoints:
+            lines.append(f"WARNING: {_INNER.format(n=self.inner_checkpoints)}")
         return "\n".join(lines)
+
+
+_INNER = ("the function already holds {n} jax.checkpoint (nn.remat, filter_checkpoint, "
+          "scan_layers): inside them their own policy decides what is kept, and the recompute "
+          "figures compare against that function, not one without remat; audit the layer "
+          "without its checkpoint")
 
 
 def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[..., Any],
@@ -145,6 +159,10 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
         # Not a layer (a loss, a function with several outputs): no argument is the layer
         # input, so every argument JAX keeps is reported as an input, as JAX sees it.
         acts = tuple(range(call.n_positional))
+    inner = sum(str(e.primitive) == "remat2" for e, _ in _jaxpr._walk(
+        jax.make_jaxpr(fn)(*args).jaxpr))
+    if inner:
+        logger.warning("audit: %s", _INNER.format(n=inner))
     built = _trace.emitted_build(fn, args, kwargs)
     infos = list(built.tags.values())
     names = [i.name for i in infos]
@@ -184,4 +202,5 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
         other_residuals=tuple((r.name, r.bytes) for r in res if r.kind == "other"),
         recomputed_dots=cost.dot_generals - base.dot_generals,
         full_remat_dots=full.dot_generals - base.dot_generals,
-        recompute_flops=cost.flops - base.flops, per_shard=built.per_shard)
+        recompute_flops=cost.flops - base.flops, per_shard=built.per_shard,
+        inner_checkpoints=inner)

@@ -2,6 +2,7 @@
 
 import inspect
 import json
+import logging
 import pickle
 import re
 import textwrap
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax._src.ad_checkpoint import name_p, saved_residuals
-from jax.ad_checkpoint import Offloadable, Recompute, Saveable, checkpoint_policies
+from jax.ad_checkpoint import Offloadable, Recompute, Saveable, checkpoint_name, checkpoint_policies
 from jax.extend.core import Primitive
 
 from neuron_remat._audit import DeadPatternError, audit
@@ -305,6 +306,24 @@ def test_audit_counts_tags_inside_scan():
     report = audit(lambda x, p: ref.stack(x, p, cfg, policy="none"), x, params,
                        policy=pol.preset("qkv-proj"))
     assert {t.count for t in report.tags} == {3}
+    assert report.inner_checkpoints == 0
+
+
+def test_audit_warns_of_a_checkpoint_already_inside(caplog):
+    """A whole model with nn.remat inside: the audited policy wraps the inner checkpoint,
+    whose own policy decides what it keeps; audit says so (before: a negative recompute,
+    silently)."""
+    def layer(x, w):
+        return jnp.sin(checkpoint_name(x @ w, "up")) @ w
+
+    inner = jax.checkpoint(layer)  # saves nothing, its own policy
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+    with caplog.at_level(logging.WARNING, logger="neuron_remat"):
+        report = audit(lambda x, w: inner(inner(x, w), w), x, w,
+                       policy=pol.RegexPolicy(["up"]))
+    assert report.inner_checkpoints == 2 and "WARNING: the function already holds 2" in \
+        report.table() and report.to_dict()["inner_checkpoints"] == 2
+    assert sum("already holds" in r.getMessage() for r in caplog.records) == 1
 
 
 # --- the CLI ---------------------------------------------------------------------------
