@@ -13,6 +13,7 @@ from typing import Any
 import jax
 
 from . import _jaxpr, _trace
+from ._jax_compat import remat3_off
 from ._format import first_line, fmt_bytes, grid
 from .policies import RegexPolicy
 
@@ -34,9 +35,10 @@ class DeadPatternError(ValueError):
 class TagAudit:
     """One tag: its `shape`, `dtype` and `bytes` per emission as the program computes it
     (inside a ``shard_map``, per shard: per core), `count` emissions per call, what the
-    policy does with it, and `kept_bytes`: what JAX keeps for it under the policy, as
-    ``saved_residuals`` lists it (a shard_map's residuals at their global shapes, all shards
-    together)."""
+    policy does with it, and `kept_bytes`: what JAX keeps for it on the device under the
+    policy, as ``saved_residuals`` lists it (a shard_map's residuals at their global
+    shapes, all shards together); `offloaded_bytes`: what an offloading policy moves to
+    host memory for it instead."""
 
     name: str
     shape: tuple[int, ...]
@@ -47,6 +49,7 @@ class TagAudit:
     pattern: str | None  # the pattern that decided (None: recomputed by default)
     also_matched: tuple[str, ...]
     kept_bytes: int  # what JAX keeps for this tag under the policy
+    offloaded_bytes: int = 0  # what JAX keeps for it in host memory (offloaded)
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class AuditReport:
     # jax.checkpoint calls inside the function (nn.remat, filter_checkpoint): their own
     # policy decides what they keep, and the figures are against that function
     inner_checkpoints: int = 0
+    saved_host_bytes: int = 0  # offloaded residuals, in host memory: not in saved_bytes
 
     @property
     def saved_bytes(self) -> int:
@@ -91,7 +95,8 @@ class AuditReport:
         for t in self.tags:
             rows.append((t.name, "x".join(map(str, t.shape)) or "scalar", t.dtype,
                          fmt_bytes(t.bytes * t.count), t.action, t.pattern or "-",
-                         fmt_bytes(t.kept_bytes)))
+                         fmt_bytes(t.kept_bytes) + (f" (+{fmt_bytes(t.offloaded_bytes)} host)"
+                                                    if t.offloaded_bytes else "")))
         lines = grid(rows)
         lines.append("")
         lines.append(f"policy: {self.policy!r}")
@@ -100,7 +105,9 @@ class AuditReport:
             f"{fmt_bytes(self.saved_tag_bytes)} + inputs {fmt_bytes(self.saved_input_bytes)}"
             f" + other {fmt_bytes(self.saved_other_bytes)} (parameters "
             f"{fmt_bytes(self.saved_param_bytes)} apart; layer input: argument "
-            f"{', '.join(map(str, self.activation_argnums))})")
+            f"{', '.join(map(str, self.activation_argnums))})"
+            + (f"; offloaded to host memory {fmt_bytes(self.saved_host_bytes)}"
+               if self.saved_host_bytes else ""))
         lines.append(
             f"dot_generals recomputed vs no remat: {self.recomputed_dots} "
             f"(full remat: {self.full_remat_dots}); recompute "
@@ -159,8 +166,10 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
         # Not a layer (a loss, a function with several outputs): no argument is the layer
         # input, so every argument JAX keeps is reported as an input, as JAX sees it.
         acts = tuple(range(call.n_positional))
-    inner = sum(str(e.primitive) == "remat2" for e, _ in _jaxpr._walk(
-        jax.make_jaxpr(fn)(*args).jaxpr))
+    with remat3_off():  # JAX's original remat: its calls are remat2 equations
+        inner = sum(str(e.primitive) == "remat2" or type(  # or remat3's, made before
+            e.params.get("_prim")).__name__.startswith("Remat")
+            for e, _ in _jaxpr._walk(jax.make_jaxpr(fn)(*args).jaxpr))
     if inner:
         logger.warning("audit: %s", _INNER.format(n=inner))
     built = _trace.emitted_build(fn, args, kwargs)
@@ -173,9 +182,12 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
     wrapped = _jaxpr.checkpointed(fn, policy, prevent_cse)
     res = _jaxpr.residuals(wrapped, args, kwargs)
     kept_by_tag: dict[str, int] = {}
+    off_by_tag: dict[str, int] = {}
     for r in res:
         if r.kind == "tag":
-            kept_by_tag[r.name] = kept_by_tag.get(r.name, 0) + r.bytes
+            into = off_by_tag if r.host else kept_by_tag
+            into[r.name] = into.get(r.name, 0) + r.bytes
+    host, res = [r for r in res if r.host], [r for r in res if not r.host]
     tags = []
     overlaps = []
     for info in infos:
@@ -186,7 +198,7 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
             overlaps.append((info.name, tuple(p for _, p in matched)))
         tags.append(TagAudit(info.name, info.shape, info.dtype, info.bytes, info.count, action,
                              decider, tuple(p for _, p in matched if p != decider),
-                             kept_by_tag.get(info.name, 0)))
+                             kept_by_tag.get(info.name, 0), off_by_tag.get(info.name, 0)))
     cost = _jaxpr.linearized_cost(wrapped, args, kwargs)
     base = _jaxpr.linearized_cost(fn, args, kwargs)
     full = _jaxpr.linearized_cost(_jaxpr.checkpointed(fn, None, prevent_cse), args, kwargs)
@@ -203,4 +215,4 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
         recomputed_dots=cost.dot_generals - base.dot_generals,
         full_remat_dots=full.dot_generals - base.dot_generals,
         recompute_flops=cost.flops - base.flops, per_shard=built.per_shard,
-        inner_checkpoints=inner)
+        inner_checkpoints=inner, saved_host_bytes=sum(r.bytes for r in host))

@@ -50,6 +50,7 @@ class Residual:
     dtype: str
     bytes: int
     argnum: int | None = None  # for arguments: which positional argument it belongs to
+    host: bool = False  # offloaded: kept in host memory (a device_put to it), not on device
 
 
 # --- dtypes ---------------------------------------------------------------------------
@@ -270,6 +271,9 @@ def _source(var: Any, jaxpr: Any) -> tuple[str, Any]:
         if prim == "reduce_precision":
             var = eqn.invars[0]
             continue
+        if prim == "device_put":  # an offloaded residual: the value it moves to the host
+            var = eqn.invars[eqn.outvars.index(var)]
+            continue
         inner = _inner_jaxpr(eqn)
         if inner is not None:
             kind, what = _source(inner.outvars[eqn.outvars.index(var)], inner)
@@ -322,11 +326,12 @@ def residuals(fn: Callable[..., Any], args: Sequence[Any],
         aval = var.aval
         shape, dtype, nbytes = tuple(aval.shape), _dtype_name(aval.dtype), _aval_bytes(aval)
         kind, what = _source(var, jaxpr)
+        host = "host" in str(getattr(aval, "memory_space", "")).lower()
         if kind == "input":
             name = "args" + jax.tree_util.keystr(flat_paths[what][0])
-            out.append(Residual("argument", name, shape, dtype, nbytes, argnums[what]))
+            out.append(Residual("argument", name, shape, dtype, nbytes, argnums[what], host))
         else:
-            out.append(Residual(kind, what, shape, dtype, nbytes))
+            out.append(Residual(kind, what, shape, dtype, nbytes, host=host))
     return out
 
 

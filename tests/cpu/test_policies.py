@@ -309,6 +309,32 @@ def test_audit_counts_tags_inside_scan():
     assert report.inner_checkpoints == 0
 
 
+def test_audit_counts_offloaded_tags_in_host_memory_not_on_the_device():
+    """An offloading policy: JAX keeps the tag's value in host memory (``saved_residuals``
+    lists it as ``float32<host>``, output of device_put); audit puts it with its tag, as
+    offloaded, and out of the device's kept bytes (before: 'other', on the device)."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    def layer(x, w):
+        h = checkpoint_name(x @ w, "up")
+        return jnp.sin(checkpoint_name(jnp.tanh(h) @ w, "down")) @ w
+
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 8))
+    policy = pol.RegexPolicy(["down"], ["up"], offload_src="device", offload_dst="pinned_host")
+    report = audit(layer, x, w, policy=policy)
+    listed = saved_residuals(jax.checkpoint(layer, policy=policy), x, w)
+    host = sum(a.size * a.dtype.itemsize for a, _ in listed if "<host>" in str(a))
+    device = sum(a.size * a.dtype.itemsize for a, why in listed
+                 if "<host>" not in str(a) and "argument w" not in why)
+    if not host:
+        pytest.skip("this JAX keeps no residual in host memory for a RegexPolicy (jax_remat3 "
+                    "honours JAX's own policy types only)")
+    by = {t.name: t for t in report.tags}
+    assert host == by["up"].offloaded_bytes == report.saved_host_bytes == 4 * 8 * 4
+    assert by["up"].kept_bytes == 0 and by["down"].kept_bytes == 4 * 8 * 4
+    assert report.saved_bytes == device and report.saved_other_bytes == 0
+
+
 def test_audit_warns_of_a_checkpoint_already_inside(caplog):
     """A whole model with nn.remat inside: the audited policy wraps the inner checkpoint,
     whose own policy decides what it keeps; audit says so (before: a negative recompute,
