@@ -421,6 +421,11 @@ def _make_plan(graph: StepGraph, best: _Candidate, cands: Sequence[_Candidate],
                stop: str = "") -> Plan:
     layers = graph.count
     notes = list(extra_notes)
+    kinds = graph.kinds()
+    if kinds > 1:
+        notes.append(f"the step checkpoints {kinds} different layers ({layers} in all): "
+                     "figures per layer are the step's over its layers, an average; a "
+                     "tag of some layers keeps more in each of them")
     no_remat = best.saved is None
     if no_remat:
         saved = tuple(graph.tags)

@@ -186,6 +186,13 @@ class StepGraph:
                                     if stored else ev.kept_bytes)
         return total
 
+    def kinds(self) -> int:
+        """How many different layers the step checkpoints (by their tags and what each
+        keeps with nothing and with everything saved): 1 for a stack of one layer."""
+        return len({(layer.tags, layer.graph.evaluate_roles(()).kept_bytes,
+                     layer.graph.evaluate(lambda v: True).kept_bytes)
+                    for layer in self.layers})
+
     def read_bytes(self, saved: Iterable[str]) -> int:
         """The most one layer's backward reads of what `saved` recomputes, as the backend
         stores it (`LayerBackward.recomputed_read_bytes`)."""

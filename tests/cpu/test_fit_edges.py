@@ -407,3 +407,28 @@ def test_the_dry_run_says_whether_band_puts_full_remat_close_to_the_limit(xla):
         assert pre.tight is tight and pre.to_dict()["tight"] is tight
         assert pre.to_dict()["step_flops"] == pre.step_flops > 0
         assert f"here full remat is {'' if tight else 'not '}that close" in pre.table()
+
+
+def test_a_step_of_two_different_layers_says_its_per_layer_figures_are_averages(xla):
+    """4 layers of one kind scanned, then 2 of another: the plan's per-layer figures are
+    the step's over 6 layers, which no one layer keeps; the plan says so (a stack of one
+    layer, this module's step, does not)."""
+    def wide(x, w):
+        return x + jnp.tanh(checkpoint_name(x @ w["a"], "h3")) @ w["c"]
+
+    def make(policy):
+        def loss(p, x):
+            h = nr.scan_layers(_layer, p["narrow"], x, policy)
+            return jnp.mean(nr.scan_layers(wide, p["wide"], h, policy) ** 2)
+
+        return jax.jit(lambda p, x: jax.tree.map(lambda a, b: a - 1e-2 * b, p,
+                                                 jax.grad(loss)(p, x)))
+
+    narrow = {k: S((4, *v.shape[1:]), v.dtype) for k, v in ARGS[0].items()}
+    wide_p = {"a": S((2, HIDDEN, 4 * FFN), jnp.float32), "c": S((2, 4 * FFN, HIDDEN), jnp.float32)}
+    args = ({"narrow": narrow, "wide": wide_p}, ARGS[1])
+    device, reserve = _device(60 * MiB)
+    plan = nr.fit(make, *args, device=device, reserve=reserve, progress=lambda line: None)
+    assert any("checkpoints 2 different layers (6 in all)" in n for n in plan.notes)
+    one = nr.fit(make_step, *ARGS, device=device, reserve=reserve, progress=lambda line: None)
+    assert not any("different layers" in n for n in one.notes)
