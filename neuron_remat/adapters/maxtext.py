@@ -5,7 +5,8 @@ the tags set to ``device``, offloads those set to ``offload`` and recomputes the
 config keys are its checkpoint tag names, so each key is set to what the resolved policy
 does with the tag of that name. `BASE_YML_KEYS` is a copy of the per-tensor keys of
 MaxText's ``src/maxtext/configs/base.yml`` (AI-Hypercomputer/maxtext, commit
-e591f30cbbf217ed67ef71263ec0538239f9c3b8, lines 355-382), in its order.
+e591f30cbbf217ed67ef71263ec0538239f9c3b8, lines 355-382), in its order; where MaxText is
+installed, its own config's keys are set instead (`remat_keys`).
 
 `overrides` resolves the policy when called (detecting the device, which starts JAX's
 backends): call it where the MaxText config is assembled.
@@ -23,7 +24,8 @@ from .. import models
 from ..planner import Plan
 from ..plugin import resolve_policy
 
-__all__ = ["ALLOWED_VALUES", "BASE_YML_KEYS", "as_args", "overrides", "overrides_for"]
+__all__ = ["ALLOWED_VALUES", "BASE_YML_KEYS", "as_args", "overrides", "overrides_for",
+           "remat_keys"]
 
 BASE_YML_KEYS = (
     "decoder_layer_input", "indexer_cutoff_threshold", "context", "mlpwi", "mlpwi_0",
@@ -41,11 +43,25 @@ def _setting(policy: Callable[..., Any], key: str) -> str:
     return "offload" if isinstance(decision, Offloadable) else "remat"
 
 
+def remat_keys() -> tuple[str, ...]:
+    """The per-tensor remat keys of the MaxText installed here (its config's
+    ``RematAndOffload`` fields of type ``RematLocation``: MaxText 0.2.5 has 24, with
+    ``moe_x_sorted`` and ``moe_routing_maps``), else `BASE_YML_KEYS`. MaxText refuses keys
+    its config does not have, and leaves a key not set at the user's value."""
+    try:
+        from maxtext.configs import types  # noqa: PLC0415 - the host, only when installed
+        fields = types.RematAndOffload.model_fields
+        keys = tuple(n for n, f in fields.items() if f.annotation is types.RematLocation)
+    except Exception:  # noqa: BLE001 - not installed, or another layout: the copy stands
+        return BASE_YML_KEYS
+    return keys or BASE_YML_KEYS
+
+
 def _overrides(policy: Callable[..., Any], fused_qkv: bool) -> dict[str, str]:
-    keys = {key: _setting(policy, key) for key in BASE_YML_KEYS}
+    keys = {key: _setting(policy, key) for key in remat_keys()}
     keys["decoder_layer_input"] = "device"  # the scan carry: MaxText cannot remat it
     qkv = ("query_proj", "key_proj", "value_proj")
-    if fused_qkv and all(keys[k] == "device" for k in qkv):
+    if fused_qkv and "qkv_proj" in keys and all(keys.get(k) == "device" for k in qkv):
         # With fused_qkv MaxText tags the fused matmul output and the split q, k, v: keep
         # the fused tensor once rather than both.
         keys.update({k: "remat" for k in qkv}, qkv_proj="device")

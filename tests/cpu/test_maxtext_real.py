@@ -226,3 +226,23 @@ def test_fit_against_the_compiled_brute_force(step):
         if gap > 0.02 + 1e-12:
             failures.append((hbm / MiB, plan.saved_tags, f"gap {100 * gap:.2f} points"))
     assert not failures, failures
+
+
+def test_overrides_set_each_remat_key_of_this_maxtext_and_it_takes_them():
+    """MaxText 0.2.5's config has 24 per-tensor remat keys (moe_x_sorted and
+    moe_routing_maps beyond the 22 of the base.yml the adapter copies): the overrides set
+    each (a key left out keeps the user's value), and MaxText's own config takes them, as
+    the plan says (refusing keys it does not have)."""
+    import neuron_remat as nr
+    from neuron_remat.adapters import maxtext as mt
+
+    cfg = nr.get_model("llama3-8b")
+    out = mt.overrides_for(nr.plan(
+        nr.from_instance_type("trn2.48xlarge"),
+        nr.TransformerConfig(**{**cfg.__dict__, "tags": nr.MAXTEXT_TAGS}),
+        nr.StepShape(seq_len=4096), nr.Parallelism(tp=4, fsdp=-1)))
+    assert "device" in out.values()
+    assert {"moe_x_sorted", "moe_routing_maps"} <= set(out) and len(out) == 1 + 24
+    cfg = mz._config("overrides", tuple(sorted(mz.CONFIG.items())), tuple(sorted(out.items())))
+    for key, value in out.items():
+        assert str(getattr(cfg, key)).rsplit(".", 1)[-1].lower() == value, key
