@@ -187,9 +187,13 @@ class StepGraph:
         return total
 
     def kinds(self) -> int:
-        """How many different layers the step checkpoints (by their tags and what each
-        keeps with nothing and with everything saved): 1 for a stack of one layer."""
-        return len({(layer.tags, layer.graph.evaluate_roles(()).kept_bytes,
+        """How many different layers the step checkpoints (by what each keeps with each
+        of its tags saved alone, with nothing and with everything): 1 for a stack of one
+        layer, unrolled or scanned."""
+        # not by the tags' names, which may carry the layer's number (layers.3.q)
+        return len({(tuple(sorted(layer.graph.evaluate_roles((t,)).kept_bytes
+                                  for t in layer.tags)),
+                     layer.graph.evaluate_roles(()).kept_bytes,
                      layer.graph.evaluate(lambda v: True).kept_bytes)
                     for layer in self.layers})
 
@@ -242,12 +246,15 @@ def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
 
 def _traced(step: Any, args: Sequence[Any]) -> Any:
     """The step's closed jaxpr as its jit traces it: a ``jax.jit`` with static arguments
-    keeps them static (``make_jaxpr`` would make every argument a tracer); a wrapper
-    without ``trace`` (``eqx.filter_jit``) is traced through ``make_jaxpr``."""
+    keeps them static (``make_jaxpr`` would make every argument a tracer); a wrapper whose
+    ``trace`` is not JAX's (``nnx.jit``'s gives no jaxpr) or that has none
+    (``eqx.filter_jit``) is traced through ``make_jaxpr``."""
     jitted = _jitted(step)
     trace = getattr(jitted, "trace", None)
     if callable(trace):
-        return trace(*args).jaxpr
+        closed = getattr(trace(*args), "jaxpr", None)
+        if closed is not None and hasattr(closed, "jaxpr"):  # a ClosedJaxpr
+            return closed
     return jax.make_jaxpr(jitted)(*args)
 
 

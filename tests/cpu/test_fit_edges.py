@@ -432,3 +432,34 @@ def test_a_step_of_two_different_layers_says_its_per_layer_figures_are_averages(
     assert any("checkpoints 2 different layers (6 in all)" in n for n in plan.notes)
     one = nr.fit(make_step, *ARGS, device=device, reserve=reserve, progress=lambda line: None)
     assert not any("different layers" in n for n in one.notes)
+
+
+def test_a_flax_nnx_jit_step_is_traced_through_make_jaxpr(xla):
+    """``nnx.jit``'s wrapper has a ``trace`` whose result holds no jaxpr (not JAX's
+    Traced): fit traces it as it did before reading ``jit(...).trace``."""
+    nnx = pytest.importorskip("flax.nnx")
+
+    def make(policy):
+        def loss(p, x):
+            return jnp.mean(nr.scan_layers(_layer, p, x, policy) ** 2)
+
+        return nnx.jit(lambda p, x: jax.tree.map(lambda a, b: a - 1e-2 * b, p,
+                                                 jax.grad(loss)(p, x)))
+
+    graph = F.step_graph(make, *ARGS)
+    assert set(graph.tags) == {"h1", "h2"} and graph.count == LAYERS
+
+
+def test_layers_alike_but_for_the_number_in_their_tag_names_are_one_kind():
+    """Unrolled layers tagged ``layers.{i}.h``: one kind of layer, however named."""
+    def make(policy):
+        def loss(w, x):
+            for i in range(3):
+                x = jax.checkpoint(lambda x, w, i=i: x + jnp.tanh(
+                    checkpoint_name(x @ w, f"layers.{i}.h")) @ w, policy=policy)(x, w[i])
+            return jnp.mean(x ** 2)
+
+        return jax.jit(jax.grad(loss))
+
+    graph = F.step_graph(make, S((3, 16, 16), jnp.float32), S((4, 16), jnp.float32))
+    assert len(graph.layers) == 3 and graph.kinds() == 1
