@@ -30,12 +30,38 @@ __all__ = ["main"]
 
 
 # With --json, stdout holds the JSON document alone: what the user's code prints while a
-# command imports, traces and compiles it (MaxText prints diagnostics) goes to stderr.
-_JSON_OUT: list[Any] = [None]
+# command imports, traces and compiles it (MaxText prints diagnostics; a compiler run as a
+# subprocess may too) goes to stderr, and the JSON is written once the command is done.
+_JSON_PENDING: list[list[str] | None] = [None]
 
 
 def _print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, default=str), file=_JSON_OUT[0] or sys.stdout)
+    text = json.dumps(obj, indent=2, default=str)
+    pending = _JSON_PENDING[0]
+    if pending is None:
+        print(text)
+    else:
+        pending.append(text)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Any:
+    """Python's stdout and file descriptor 1 (C code, subprocesses) both to stderr while a
+    command runs; restored after."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+        os.dup2(2, 1)
+    except OSError:  # no descriptor 1 to move: Python's stdout alone
+        saved = None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        if saved is not None:
+            os.dup2(saved, 1)
+            os.close(saved)
 
 
 # --------------------------------------------------------------------------------------
@@ -701,9 +727,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    _JSON_OUT[0] = sys.stdout if as_json else None
+    _JSON_PENDING[0] = [] if as_json else None
     try:
-        with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+        with _stdout_to_stderr() if as_json else contextlib.nullcontext():
             return int(args.run(args))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -726,3 +752,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "bug, please report it with the output of the same command run with -v",
               as_json)
         return EXIT_INTERNAL
+    finally:
+        pending, _JSON_PENDING[0] = _JSON_PENDING[0], None
+        for text in pending or ():
+            print(text)

@@ -361,16 +361,19 @@ def test_cli_presets_json(capsys):
     assert rows["trn2-fuji-70b"]["save"] == [r".*[kqv]_proj", r".*linear1_[01]"]
 
 
-def test_cli_json_is_alone_on_stdout_when_user_code_prints(tmp_path, monkeypatch, capsys):
+def test_cli_json_is_alone_on_stdout_when_user_code_prints(tmp_path, monkeypatch, capfd):
     """A library that prints while it is imported, built and traced (MaxText prints
-    diagnostics): with --json that goes to stderr, and stdout parses."""
+    diagnostics), and a child process writing to descriptor 1 (a compiler might): with
+    --json that goes to stderr, and stdout parses."""
     (tmp_path / "chatty.py").write_text(textwrap.dedent("""
+        import os
         import jax, jax.numpy as jnp
         from jax.ad_checkpoint import checkpoint_name
         print("[NO-OP] importing chatty")
 
         def make():
             print("[NO-OP] building the layer")
+            os.system("echo '[NO-OP] a child process'")
             def f(x, w):
                 print("[NO-OP] tracing")
                 h = checkpoint_name(x @ w, "Mlp.linear2")
@@ -391,12 +394,13 @@ def test_cli_json_is_alone_on_stdout_when_user_code_prints(tmp_path, monkeypatch
     """))
     monkeypatch.chdir(tmp_path)
     assert main(["audit", "chatty:make", "--save", "Mlp.linear2", "--json"]) == 0
-    out = capsys.readouterr()
+    out = capfd.readouterr()
     assert json.loads(out.out)["tags"][0]["name"] == "Mlp.linear2"
     assert "[NO-OP] tracing" in out.err and "[NO-OP]" not in out.out
+    assert "[NO-OP] a child process" in out.err
     assert main(["fit", "chatty:make_step", "--dry-run", "--json", "--device",
                  "trn2.48xlarge:hbm=1GiB:cores=1"]) == 0
-    out = capsys.readouterr()
+    out = capfd.readouterr()
     assert json.loads(out.out)["candidates"] and "[NO-OP] tracing the step" in out.err
 
 
