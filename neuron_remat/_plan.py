@@ -373,14 +373,10 @@ class Plan:
                     f" policy=config_for_function({fn}).set(names_which_can_be_saved="
                     f"{regex!r}, names_which_can_be_offloaded=None, offload_src=None, "
                     "offload_dst=None))")
-        if self.host == "maxtext":
-            assert self.config is not None
-            keys = {"remat_policy": "custom"}
-            for role in self.config.roles:
-                tag = self.config.tag(role)
-                if tag is not None:
-                    keys[tag] = "device" if role == "input" or tag in self.saved_tags else \
-                        "remat"
+        if self.host == "maxtext":  # every key, as the adapter's overrides set them
+            from ._maxtext_keys import overrides_of  # noqa: PLC0415
+
+            keys = overrides_of(self.policy, fused_qkv=False)
             return ("MaxText: on the command line (or the same keys in the config YAML)",
                     " ".join(f"{k}={v}" for k, v in keys.items()))
         prefixed = self.config is not None and self.config.tags.prefixed
