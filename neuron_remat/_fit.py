@@ -566,7 +566,7 @@ def fit_preview(make_step: Callable[[Any], Any], *args: Any,
                   reported_bytes=r.reported)
     budget = max_compiles or (_max_compiles(len(tags)) if measured else
                               _oracle_cap(len(front)))
-    tight = None
+    tight = True if r.oom else None  # full remat does not fit: the rescue's budget
     if measured and r.bytes:  # the rescue's test (`_Search.run`), on this compile
         sigma = max(band * r.bytes, FLOOR * r.bytes)
         tight = r.bytes > limit or limit - r.bytes < TIGHT * sigma

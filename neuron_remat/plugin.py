@@ -268,7 +268,7 @@ def clear_cache() -> None:
 
 def provide(*, default: Any = None, layer: str | None = None, stack: str = "stacked",
             model: Any = None, tags: Any = None, shape: Any = None, parallelism: Any = None,
-            device: DeviceSpec | None = None, layer_index: int | None = None,
+            device: DeviceSpec | str | None = None, layer_index: int | None = None,
             **unknown: Any) -> RematChoice | None:
     """neuron_remat's ``jax_remat_policy`` provider (registered in setup.cfg).
 
@@ -278,7 +278,8 @@ def provide(*, default: Any = None, layer: str | None = None, stack: str = "stac
     stack's layer number, from 0) the plan is per layer (`plan(..., per_layer=True)`) and
     the answer is that layer's policy. `tags` is the host's vocabulary
     (``"axlearn"``, ``"maxtext"`` or a `TagNames`) or the tag names it emits, which the
-    answer is then checked against. Answers are cached per context.
+    answer is then checked against. `device` is a `DeviceSpec` or the string ``--device``
+    takes (``"trn2.48xlarge"``); None detects it. Answers are cached per context.
 
     With several JAX processes the answer (None included) is checked against every other
     process's (`neuron_remat.multihost.agree`) unless `resolve_policy` is asking, which

@@ -15,7 +15,6 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 from dataclasses import dataclass
-from typing import Any
 
 from .facts import _DEVICE_KINDS, _FAMILY_WORDS, CHIPS, INSTANCES, GiB, InstanceFacts
 from .parsing import (OVERRIDE_ENV, _lnc_from_env, _resolve_lnc, _show, _visible_cores,

@@ -351,18 +351,19 @@ _DROPOUT_KEYS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdr
 
 def _warn_dropout(cfg: Mapping[str, Any], source: str) -> None:
     """The layer model has no dropout: a config that trains with it keeps a mask (and
-    an output) per dropout more than the plan counts. Said once per file."""
+    an output) per dropout more than the plan counts. Said once per file and setting."""
     on = [f"{k}={cfg[k]}" for k in _DROPOUT_KEYS if isinstance(cfg.get(k), (int, float))
           and not isinstance(cfg.get(k), bool) and cfg[k] > 0]
-    if not on or source in _WARNED_DROPOUT:
+    said = (source, str(cfg.get("_name_or_path")), *on)  # dicts share config.json's name
+    if not on or said in _WARNED_DROPOUT:
         return
-    _WARNED_DROPOUT.add(source)
+    _WARNED_DROPOUT.add(said)
     logger.warning("%s: %s: the layer model has no dropout, so the plan does not count "
                    "dropout's masks and outputs; train without it, or check the step with "
                    "fit", source, ", ".join(on))
 
 
-_WARNED_DROPOUT: set[str] = set()
+_WARNED_DROPOUT: set[tuple[str, ...]] = set()
 
 
 _WARNED_TYPES: set[str] = set()

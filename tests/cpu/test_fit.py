@@ -423,6 +423,15 @@ def test_cli_fit_dry_run_compiles_full_remat_only(brute):
     assert d["candidates"][0]["recompute_flops"] < d["candidates"][-1]["recompute_flops"]
     # the budget said up front: 6 up to 8 tags, one more per tag close to the limit
     assert d["max_compiles"] == 6 and d["stretch"] == len(d["tags"]) <= 8
+    # --band sets how close that is: 10% of full remat to spare is not within 4 x 2% of
+    # it, and is within 4 x 50%
+    roomy = int(brute[()].bytes * 1.10)
+    for band, tight in ((None, False), ("0.5", True)):
+        out = _cli("fit", "examples.fit_demo:small_factory", "--device",
+                   f"trn2.48xlarge:hbm={roomy}B:cores=1", "--reserve", "0", "--dry-run",
+                   "--json", *(("--band", band) if band else ()))
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["tight"] is tight
 
 
 @pytest.mark.parametrize("flag, value", [("--band", "nan"), ("--band", "-1"),

@@ -305,6 +305,7 @@ def test_dry_run_says_full_remat_ran_out_of_memory(xla):
     assert "full remat ran out of memory" in text and "compiled to" not in text
     full = [b for s, b, _ in preview.candidates if s == ()]
     assert full == [xla[()]]  # the simulation's error names the compiled bytes
+    assert preview.tight is True  # over the limit: the rescue's budget applies
 
 
 def test_a_tag_cheaper_to_redo_than_to_hold_is_not_a_candidate(caplog):
