@@ -727,6 +727,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    as_json = bool(getattr(args, "json", as_json))  # as argparse read it (--js too)
     _JSON_PENDING[0] = [] if as_json else None
     try:
         with _stdout_to_stderr() if as_json else contextlib.nullcontext():
