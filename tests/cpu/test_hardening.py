@@ -466,9 +466,6 @@ def test_cli_errors_under_json_are_json(capsys):
     assert main([*PLAN, "--seq-len", "0", "--json"]) == 2
     import json
     assert "--seq-len" in json.loads(capsys.readouterr().out)["error"]
-    # an abbreviation argparse accepts is JSON too (stdout alone, errors included)
-    assert main([*PLAN, "--reserve", "0.99", "--js"]) == 1
-    assert "error" in json.loads(capsys.readouterr().out)
 
 
 def test_cli_model_files_are_named(tmp_path):

@@ -398,7 +398,7 @@ def test_cli_json_is_alone_on_stdout_when_user_code_prints(tmp_path, monkeypatch
     assert json.loads(out.out)["tags"][0]["name"] == "Mlp.linear2"
     assert "[NO-OP] tracing" in out.err and "[NO-OP]" not in out.out
     assert "[NO-OP] a child process" in out.err
-    assert main(["fit", "chatty:make_step", "--dry-run", "--json", "--device",
+    assert main(["fit", "chatty:make_step", "--dry-run", "--js", "--device",  # abbreviated
                  "trn2.48xlarge:hbm=1GiB:cores=1"]) == 0
     out = capfd.readouterr()
     assert json.loads(out.out)["candidates"] and "[NO-OP] tracing the step" in out.err
