@@ -109,6 +109,14 @@ def compiled_bytes(compiled: Any) -> int:
     return memory_row(compiled)["bytes"]
 
 
+def compiled_transcendentals(compiled: Any) -> float:
+    """A compiled step's transcendental operations (``cost_analysis()``, counted apart from
+    its flops); 0 where the backend gives none."""
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}
+    return float(cost.get("transcendentals", 0.0))
+
+
 def compiled_flops(compiled: Any, missing: float | None = None) -> float:
     """A compiled step's FLOPs (``cost_analysis()``: a dict, or a list of one on older
     JAX). Where the backend gives none: `missing` when given (gpu_fit records nan), else

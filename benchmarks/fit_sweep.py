@@ -149,6 +149,7 @@ class Brute:
             c = make_step(policy).lower(*args).compile()
             row: dict[str, Any] = C.memory_row(c)
             row["flops"] = C.compiled_flops(c)
+            row["transcendentals"] = C.compiled_transcendentals(c)
             self.table[_key(saved)] = row
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps({"step": self.spec.name, "tags": self.file_tags,
@@ -176,7 +177,9 @@ class _CachedCompiled:
         return types.SimpleNamespace(**{f: int(self._row[f]) for f in C.MEMORY_FIELDS})
 
     def cost_analysis(self) -> dict[str, float]:
-        return {"flops": self._row["flops"]}
+        # transcendentals where the cache has them (rows cached before it kept them: none,
+        # and fit's final choice among compiled sets then reads the flops alone)
+        return {k: self._row[k] for k in ("flops", "transcendentals") if k in self._row}
 
 
 class _CachedLowered:
@@ -282,8 +285,10 @@ def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
 def flops_share(graph: Any, spec: Any) -> float:
     """One FLOP of a compiled step's cost analysis as a share of the no-remat step's FLOPs
     (as the trace counts them): XLA:CPU counts a scan body once, so a FLOP difference
-    there is one layer's, times the layers; an unrolled stack's, every layer's."""
-    per = graph.count if getattr(spec, "scan", True) else 1
+    there is one layer's per scan, times the layers of a scan (two scans of 3 layers, an
+    encoder and a decoder: times 3, not 6; scans of unequal lengths: their mean); an
+    unrolled stack's, every layer's."""
+    per = graph.count / len(graph.layers) if getattr(spec, "scan", True) else 1
     return per / graph.no_remat_flops
 
 

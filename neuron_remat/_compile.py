@@ -81,6 +81,7 @@ class _Compiled:
     oom: bool = False
     reported: int | None = None  # the largest byte figure an out-of-memory error gave
     fixed: int | None = None  # arguments + outputs - donated (from the lowering)
+    transcendentals: float = 0.0  # cost_analysis()'s count, apart from its flops
 
     def over(self, limit: int) -> bool:
         return self.oom or (self.bytes is not None and self.bytes > limit)
@@ -176,16 +177,17 @@ def _compile(step: Any, args: Sequence[Any]) -> _Compiled:
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, (list, tuple)) else cost
         flops = float(cost.get("flops", float("nan"))) if cost else float("nan")
+        trans = float(cost.get("transcendentals", 0.0)) if cost else 0.0
     except Exception:  # noqa: BLE001
-        flops = float("nan")
+        flops, trans = float("nan"), 0.0
     figures = _figures(mem, fields)
     if figures is None:
-        return _Compiled(None, 0, 0, 0, 0, flops, seconds, fixed=fixed)
+        return _Compiled(None, 0, 0, 0, 0, flops, seconds, fixed=fixed, transcendentals=trans)
     arg, out, temp, alias = figures
     if arg + out + temp <= 0:
-        return _Compiled(None, 0, 0, 0, 0, flops, seconds, fixed=fixed)
+        return _Compiled(None, 0, 0, 0, 0, flops, seconds, fixed=fixed, transcendentals=trans)
     return _Compiled(arg + out + temp - alias, arg, out, temp, alias, flops, seconds,
-                     fixed=fixed)
+                     fixed=fixed, transcendentals=trans)
 
 
 def _policy(saved: tuple[str, ...] | None) -> Any:

@@ -357,8 +357,15 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
     if best is None:
         raise NoFitError(_no_fit(probes, limit, hbm, held, search.oracle)
                          + (f" Also: {search.noticed}." if search.noticed else ""))
-    r = results[best.saved]
     notes = [f"search: {search.stop}"]
+    cheaper = _fewest_flops(best, [c for c in cands if search.fits(c.saved)], results)
+    if cheaper is not best:
+        notes.append(f"{_what(cheaper.saved)} compiles to fewer FLOPs and transcendentals "
+                     f"({_ops(results[cheaper.saved]) / 1e9:.4g} G) than "
+                     f"{_what(best.saved)} ({_ops(results[best.saved]) / 1e9:.4g} G), which "
+                     "the trace counts as recomputing less: the compile decides")
+        best = cheaper
+    r = results[best.saved]
     if search.noticed:
         notes.append(search.noticed)
     measured = r.bytes is not None
@@ -377,6 +384,25 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
     return _make_plan(graph, best, cands, device, hbm, held, limit, probes, model, tags, r,
                       plan_options, measured=measured, extra_notes=notes,
                       over={s for s, c in results.items() if c.over(limit)}, stop=search.stop)
+
+
+def _fewest_flops(best: _Candidate, fitted: Sequence[_Candidate],
+                  results: dict[Any, _Compiled]) -> _Candidate:
+    """Among the compiled sets that fit, the one whose compile counts the fewest operations
+    (``cost_analysis()``'s flops and transcendentals: a set that recomputes a tanh trades
+    one for the other), where every one has a count: the trace ranks by the FLOPs it
+    recomputes, but the compiled program may differ (no remat can count more than saving
+    every tag, its bfloat16 converts kept; XLA's own rewrites). `best` where the counts tie
+    or are missing."""
+    ops = {c.saved: _ops(results[c.saved]) for c in fitted}
+    if not fitted or not all(f > 0 for f in ops.values()):  # NaN: no count
+        return best
+    least = min(fitted, key=lambda c: (ops[c.saved], c.recompute))
+    return least if ops[least.saved] < ops[best.saved] else best
+
+
+def _ops(r: _Compiled) -> float:
+    return r.flops + r.transcendentals
 
 
 class PolicyIgnoredError(ValueError):

@@ -600,6 +600,13 @@ class _Search:
             best = self._walk() or best
         if not stretched and self.used >= self.max_compiles and self._stretch_by_figures():
             best = self._walk() or best
+        every = self._every
+        if best is not None and best.saved is None and every is not None and every.saved \
+                and every.saved not in self.compiled and self.used < self.max_compiles:
+            # no remat fits; so may every tag saved, whose compile can count fewer FLOPs
+            # (no remat keeps converts and XLA's rewrites that saving every tag does not):
+            # one compile more lets fit compare the two (`_fit._fewest_flops`)
+            self._measure(every)
         return best
 
     def _stretch_by_figures(self) -> bool:

@@ -287,6 +287,41 @@ def test_fit_sweep_counts_why_fit_stopped_where_it_missed_by_over_2_points():
     assert fit_sweep.why_stopped(rows[:2]) == ""
 
 
+def test_flops_share_counts_each_scan_body_once_as_xla_does():
+    """Two scans of 3 checkpointed layers (an encoder and a decoder): XLA:CPU counts each
+    scan body once, so a compiled FLOP difference is one layer of each, and the step's is
+    3 times that, not 6: full remat's compiled difference to no remat, so scaled, is the
+    recompute the trace counts over all 6 layers."""
+    import types
+
+    import jax
+    import jax.numpy as jnp
+    from jax.ad_checkpoint import checkpoint_name
+
+    from neuron_remat._step import step_graph
+
+    def make(policy):
+        def layer(x, w):
+            return x + jnp.tanh(checkpoint_name(x @ w, "h")) @ w
+
+        def stack(x, ws):
+            body = jax.checkpoint(layer, policy=policy)
+            return jax.lax.scan(lambda c, w: (body(c, w), None), x, ws)[0]
+
+        return jax.jit(jax.grad(lambda ws, x: jnp.sum(stack(stack(x, ws[0]), ws[1]))))
+
+    args = ((jnp.ones((3, 64, 64)), jnp.ones((3, 64, 64))), jnp.ones((32, 64)))
+    flops = [make(p).lower(*args).compile().cost_analysis()["flops"]
+             for p in (jax.checkpoint_policies.nothing_saveable,
+                       jax.checkpoint_policies.everything_saveable)]
+    with benchmarks_on_path():
+        import fit_sweep
+    graph = step_graph(make, *args)
+    share = fit_sweep.flops_share(graph, types.SimpleNamespace(scan=True))
+    assert share * (flops[0] - flops[1]) == pytest.approx(
+        graph.recompute_flops(()) / graph.no_remat_flops, rel=0.05)
+
+
 def test_packing_richer_shapes_recover_what_they_are_made_of():
     """benchmarks/packing.py's richer shapes, on tables built from them: bytes that are the
     largest of two additive models (a peak that moves between two program points), and

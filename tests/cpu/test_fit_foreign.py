@@ -40,3 +40,36 @@ def test_fit_plans_a_foreign_step_within_the_limit(name):
     assert plan.compiled.measured
     assert xla_bytes(plan.policy) == plan.compiled.bytes <= limit
     assert plan.saved_tags, "halfway to no remat, some tag fits"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("oracle", [False, True])
+def test_where_no_remat_fits_the_compile_with_fewer_flops_is_chosen(oracle):
+    """haiku-free-mixer keeps bfloat16 converts without remat: XLA counts more FLOPs for
+    no remat than for saving every tag (compiled here). Where both fit, fit returns the
+    set that compiles to fewer FLOPs, with a note, with memory figures and with the
+    compile as the oracle (simulated: `zoo.OomOracleSimulation`)."""
+    import re
+
+    import zoo
+
+    spec = foreign_zoo.STEPS["haiku-free-mixer"]
+    make, args = spec.make_step(), spec.abstract_args()
+
+    def figures(policy):
+        compiled = make(policy).lower(*args).compile()
+        return compiled_bytes(compiled), compiled.cost_analysis()["flops"]
+
+    tags = ("token_mixing.fc1", "token_mixing.fc2", "channel_mixing.fc1",
+            "channel_mixing.fc2")  # the step's matmul tags (its GELU tags save nothing)
+    every = nr.RegexPolicy([re.escape(t) for t in tags])
+    none_bytes, none_flops = figures(jax.checkpoint_policies.everything_saveable)
+    every_bytes, every_flops = figures(every)
+    assert every_flops < none_flops and every_bytes < none_bytes
+    limit = none_bytes + (1 << 20)
+    device = nr.parse_device(f"trn2.48xlarge:hbm={limit}B:cores=1", source="test")
+    chosen = zoo.oracle_make_step(make, limit) if oracle else make
+    plan = nr.fit(chosen, *args, device=device, reserve=0, progress=lambda line: None)
+    assert set(plan.saved_tags) == set(tags) and not plan.compiled.no_remat
+    assert plan.compiled.flops == every_flops
+    assert any("compiles to fewer FLOPs" in n for n in plan.notes)
