@@ -29,9 +29,35 @@ was looked at while `fit`'s search constants were tuned:
   ``nnx.scan(nnx.remat(..., policy=policy))``; float32; ``optax.sgd`` with momentum; the
   step is ``jax.jit`` of ``nnx.merge``/``nnx.split`` around the model's ``nnx.State``;
   *not* donated.
+* ``haiku-free-mixer`` -- an **MLP-Mixer** image classifier in pure JAX and optax, with no
+  NN library: parameters are a nested dict of float32 master weights (the blocks' leaves
+  stacked on axis 0 by ``jax.vmap`` of the block initialiser), cast to bfloat16 inside the
+  differentiated function; 4x4 patches flattened and embedded by one matmul, then blocks
+  of token mixing (an MLP across the 64 patches, on the transposed LayerNorm output) and
+  channel mixing (an MLP across the channels), GELU, each branch scaled per channel by a
+  LayerScale before its residual add; global average pooling, a zero-initialised head,
+  label-smoothed cross-entropy over integer class labels. The blocks run with
+  ``jax.lax.scan`` over ``jax.checkpoint(mixer_block, policy=policy)``; the optimizer is
+  ``optax.chain(clip_by_global_norm, lion)`` on a warm-up cosine schedule; the state
+  (parameters, optimizer state) donated; the batch is ``(images, labels)``. Each MLP's
+  two matmul outputs and its GELU are tagged: the GELUs are elementwise, cheaper to redo
+  than to hold, and the LayerScale is what makes a second matmul's output worth keeping
+  (its backward needs it).
+* ``linen-encdec`` -- a Flax **linen** encoder-decoder in the original Transformer's order
+  (post-LayerNorm, ReLU MLP, fixed sinusoidal positions, one embedding shared by source,
+  target and the tied output projection): a bidirectional encoder stack and a decoder
+  stack of causal self-attention, cross-attention over the encoder's output and the MLP,
+  each ``nn.scan(nn.remat(Layer, policy=policy))``, the encoder's output broadcast to every
+  decoder layer (``in_axes=nn.broadcast``). One ``MultiHeadAttention`` and one
+  ``MlpBlock`` module serve both stacks, so every tag name is shared: the encoder's and
+  the decoder's layers differ in kind, and ``attention/key``/``attention/value`` tag the
+  decoder's self-attention and its cross-attention (over the source length) alike.
+  float32; ``optax.adam`` on the inverse-square-root warm-up; donated; the batch is
+  ``(source, target)`` tokens.
 
 Tag names follow each library's idiom and differ from zoo.py's (GPT-2 checkpoint paths,
-dotted module paths, ``Class.attr``).
+dotted module paths, ``Class.attr``, a pure-JAX user's ``branch.layer``, slash-separated
+module paths).
 
 `STEPS` follows zoo.py's `Spec` protocol (name, split, note, extra, scan, ``make_step()`` ->
 ``policy -> jitted step``, ``abstract_args()``), so ``benchmarks/fit_sweep.py
@@ -450,6 +476,310 @@ class NnxParallelStep(_Step):
         return make
 
 
+# ======================================================================================
+# 4. Pure-JAX MLP-Mixer (no NN library).
+# ======================================================================================
+
+
+@dataclass(frozen=True)
+class MixerConfig:
+    image: int = 32
+    patch: int = 4  # 8 x 8 = 64 patches
+    channels: int = 3
+    hidden: int = 128  # C
+    tokens_mlp: int = 64  # D_S, the token-mixing MLP's width (over the 64 patches)
+    channels_mlp: int = 512  # D_C, the channel-mixing MLP's width
+    n_blocks: int = 4
+    classes: int = 10
+    batch: int = 8
+    compute_dtype: Any = jnp.bfloat16
+
+
+def _lecun_normal(key: jax.Array, fan_in: int, fan_out: int) -> jax.Array:
+    return jax.random.normal(key, (fan_in, fan_out), jnp.float32) / math.sqrt(fan_in)
+
+
+def init_mixer(cfg: MixerConfig, key: jax.Array) -> dict[str, Any]:
+    """float32 master weights as a plain dict; the blocks' leaves stacked on axis 0."""
+    n_patches = (cfg.image // cfg.patch) ** 2
+    c = cfg.hidden
+    k_stem, k_blocks, _ = jax.random.split(key, 3)
+
+    def block(k: jax.Array) -> dict[str, jax.Array]:
+        k1, k2, k3, k4 = jax.random.split(k, 4)
+        return {"ln1": {"scale": jnp.ones(c), "bias": jnp.zeros(c)},
+                "token_mixing": {"w1": _lecun_normal(k1, n_patches, cfg.tokens_mlp),
+                                 "b1": jnp.zeros(cfg.tokens_mlp),
+                                 "w2": _lecun_normal(k2, cfg.tokens_mlp, n_patches),
+                                 "b2": jnp.zeros(n_patches)},
+                "ln2": {"scale": jnp.ones(c), "bias": jnp.zeros(c)},
+                "channel_mixing": {"w1": _lecun_normal(k3, c, cfg.channels_mlp),
+                                   "b1": jnp.zeros(cfg.channels_mlp),
+                                   "w2": _lecun_normal(k4, cfg.channels_mlp, c),
+                                   "b2": jnp.zeros(c)},
+                "ls1": jnp.full(c, 0.1), "ls2": jnp.full(c, 0.1)}  # LayerScale
+
+    return {"stem": {"w": _lecun_normal(k_stem, cfg.patch ** 2 * cfg.channels, c),
+                     "b": jnp.zeros(c)},
+            "blocks": jax.vmap(block)(jax.random.split(k_blocks, cfg.n_blocks)),
+            "pre_head_ln": {"scale": jnp.ones(c), "bias": jnp.zeros(c)},
+            "head": {"w": jnp.zeros((c, cfg.classes)), "b": jnp.zeros(cfg.classes)}}
+
+
+def _layer_norm(x: jax.Array, p: dict[str, jax.Array], eps: float = 1e-6) -> jax.Array:
+    """LayerNorm over the last axis, statistics in float32, the result in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+    return (y * p["scale"] + p["bias"]).astype(x.dtype)
+
+
+def mixer_block(x: jax.Array, p: dict[str, Any]) -> jax.Array:
+    """One Mixer block: x (batch, patches, channels) in the compute dtype. Each branch's
+    output is scaled per channel by a learned LayerScale (ResMLP/CaiT style) before its
+    residual add."""
+    tm, cm = p["token_mixing"], p["channel_mixing"]
+    y = jnp.swapaxes(_layer_norm(x, p["ln1"]), 1, 2)  # (batch, channels, patches)
+    h = checkpoint_name(y @ tm["w1"] + tm["b1"], "token_mixing.fc1")
+    h = checkpoint_name(jax.nn.gelu(h), "token_mixing.gelu")
+    h = checkpoint_name(h @ tm["w2"] + tm["b2"], "token_mixing.fc2")
+    x = x + p["ls1"] * jnp.swapaxes(h, 1, 2)
+    y = _layer_norm(x, p["ln2"])
+    h = checkpoint_name(y @ cm["w1"] + cm["b1"], "channel_mixing.fc1")
+    h = checkpoint_name(jax.nn.gelu(h), "channel_mixing.gelu")
+    h = checkpoint_name(h @ cm["w2"] + cm["b2"], "channel_mixing.fc2")
+    return x + p["ls2"] * h
+
+
+def mixer_logits(params: dict[str, Any], images: jax.Array, cfg: MixerConfig,
+                 policy: Any) -> jax.Array:
+    """images (batch, H, W, channels) float32 -> logits (batch, classes) float32. The
+    master weights are cast to the compute dtype here, inside the differentiated function,
+    so the gradients come back in float32."""
+    p = jax.tree.map(lambda w: w.astype(cfg.compute_dtype), params)
+    b, g, ps = images.shape[0], cfg.image // cfg.patch, cfg.patch
+    x = images.astype(cfg.compute_dtype).reshape(b, g, ps, g, ps, cfg.channels)
+    x = x.transpose(0, 1, 3, 2, 4, 5).reshape(b, g * g, ps * ps * cfg.channels)
+    x = x @ p["stem"]["w"] + p["stem"]["b"]  # the patch embedding, a strided conv as a matmul
+    block = jax.checkpoint(mixer_block, policy=policy)
+    x, _ = jax.lax.scan(lambda h, bp: (block(h, bp), None), x, p["blocks"])
+    x = _layer_norm(x, p["pre_head_ln"]).mean(axis=1)
+    return (x @ p["head"]["w"] + p["head"]["b"]).astype(jnp.float32)
+
+
+@dataclass(frozen=True)
+class MixerStep(_Step):
+    """Pure-JAX MLP-Mixer image classifier (lax.scan over jax.checkpoint), bf16 compute
+    over f32 master weights, clipped Lion, donated state."""
+
+    cfg: MixerConfig = MixerConfig()
+
+    def _tx(self) -> optax.GradientTransformation:
+        schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-4, warmup_steps=500,
+                                                      decay_steps=10_000)
+        return optax.chain(optax.clip_by_global_norm(1.0),
+                           optax.lion(schedule, b1=0.9, b2=0.99, weight_decay=0.1))
+
+    def abstract_args(self) -> tuple[Any, Any]:
+        c, tx = self.cfg, self._tx()
+
+        def state() -> Any:
+            params = init_mixer(c, jax.random.PRNGKey(0))
+            return params, tx.init(params)
+
+        batch = (jax.ShapeDtypeStruct((c.batch, c.image, c.image, c.channels), jnp.float32),
+                 jax.ShapeDtypeStruct((c.batch,), jnp.int32))
+        return jax.eval_shape(state), batch
+
+    def make_step(self) -> Callable[[Any], Any]:
+        c, tx = self.cfg, self._tx()
+
+        def make(policy: Any) -> Any:
+            def loss_fn(params: Any, images: jax.Array, labels: jax.Array) -> jax.Array:
+                logits = mixer_logits(params, images, c, policy)
+                targets = optax.smooth_labels(jax.nn.one_hot(labels, c.classes), 0.1)
+                return optax.softmax_cross_entropy(logits, targets).mean()
+
+            def train_step(state: Any, batch: Any) -> tuple[Any, jax.Array]:
+                params, opt_state = state
+                loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+                updates, opt_state = tx.update(grads, opt_state, params)
+                return (optax.apply_updates(params, updates), opt_state), loss
+
+            return jax.jit(train_step, donate_argnums=0)
+
+        return make
+
+
+# ======================================================================================
+# 5. Flax linen encoder-decoder.
+# ======================================================================================
+
+
+@dataclass(frozen=True)
+class EncDecConfig:
+    vocab: int = 256  # shared by source and target
+    d_model: int = 64
+    n_heads: int = 4
+    d_ff: int = 256
+    enc_layers: int = 3
+    dec_layers: int = 3
+    src_len: int = 64
+    tgt_len: int = 48
+    batch: int = 4
+    warmup: int = 4000
+
+
+def _sinusoid_positions(length: int, d: int) -> jax.Array:
+    pos = jnp.arange(length, dtype=jnp.float32)[:, None]
+    inv = jnp.exp(-math.log(10000.0) * jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    ang = pos * inv[None]
+    return jnp.concatenate([jnp.sin(ang), jnp.cos(ang)], axis=-1)  # (length, d)
+
+
+class MultiHeadAttention(nn.Module):
+    """Scaled dot-product attention of `x` over `memory` (`x` itself for self-attention);
+    the same module, and so the same tag names, serves encoder, decoder and cross
+    attention."""
+
+    n_heads: int
+    causal: bool = False
+
+    @nn.compact
+    def __call__(self, x: jax.Array, memory: jax.Array) -> jax.Array:
+        d = x.shape[-1]
+        hd = d // self.n_heads
+        proj = functools.partial(nn.DenseGeneral, features=(self.n_heads, hd),
+                                 use_bias=False)
+        q = checkpoint_name(proj(name="query")(x), "attention/query")
+        k = checkpoint_name(proj(name="key")(memory), "attention/key")
+        v = checkpoint_name(proj(name="value")(memory), "attention/value")
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
+        if self.causal:
+            tq, tk = logits.shape[-2:]
+            logits = jnp.where(jnp.tril(jnp.ones((tq, tk), bool)), logits, -1e9)
+        ctx = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
+        ctx = checkpoint_name(ctx, "attention/context")
+        return nn.DenseGeneral(d, axis=(-2, -1), use_bias=False, name="out")(ctx)
+
+
+class MlpBlock(nn.Module):
+    d_ff: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = checkpoint_name(nn.Dense(self.d_ff, name="wi")(x), "mlp/wi")
+        h = checkpoint_name(nn.relu(h), "mlp/relu")
+        return nn.Dense(x.shape[-1], name="wo")(h)
+
+
+class EncoderLayer(nn.Module):
+    """Post-LN (the original Transformer's order): self-attention, then the ReLU MLP.
+    Carry-in-carry-out for ``nn.scan``."""
+
+    cfg: EncDecConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
+        c = self.cfg
+        x = nn.LayerNorm(name="ln_attn")(
+            x + MultiHeadAttention(c.n_heads, name="self_attn")(x, x))
+        x = nn.LayerNorm(name="ln_mlp")(x + MlpBlock(c.d_ff, name="mlp")(x))
+        return x, None
+
+
+class DecoderLayer(nn.Module):
+    """Post-LN: causal self-attention, cross-attention over the encoder's output (broadcast
+    to every layer by ``nn.scan``), then the ReLU MLP."""
+
+    cfg: EncDecConfig
+
+    @nn.compact
+    def __call__(self, y: jax.Array, encoded: jax.Array) -> tuple[jax.Array, None]:
+        c = self.cfg
+        y = nn.LayerNorm(name="ln_self")(
+            y + MultiHeadAttention(c.n_heads, causal=True, name="self_attn")(y, y))
+        y = nn.LayerNorm(name="ln_cross")(
+            y + MultiHeadAttention(c.n_heads, name="cross_attn")(y, encoded))
+        y = nn.LayerNorm(name="ln_mlp")(y + MlpBlock(c.d_ff, name="mlp")(y))
+        return y, None
+
+
+class EncoderDecoder(nn.Module):
+    cfg: EncDecConfig
+    policy: Callable[..., Any] = jax.checkpoint_policies.nothing_saveable
+
+    @nn.compact
+    def __call__(self, src: jax.Array, tgt: jax.Array) -> jax.Array:
+        c = self.cfg
+        embed = nn.Embed(c.vocab, c.d_model, name="shared_embedding",
+                         embedding_init=nn.initializers.normal(c.d_model ** -0.5))
+        pos = _sinusoid_positions(max(c.src_len, c.tgt_len), c.d_model)
+        remat = functools.partial(nn.remat, policy=self.policy, prevent_cse=False)
+        stack = functools.partial(nn.scan, variable_axes={"params": 0},
+                                  split_rngs={"params": True})
+        x = embed(src) * math.sqrt(c.d_model) + pos[:src.shape[1]][None]
+        x, _ = stack(remat(EncoderLayer), length=c.enc_layers)(c, name="encoder")(x, None)
+        y = embed(tgt) * math.sqrt(c.d_model) + pos[:tgt.shape[1]][None]
+        decoder = stack(remat(DecoderLayer), in_axes=nn.broadcast, length=c.dec_layers)
+        y, _ = decoder(c, name="decoder")(y, x)
+        return embed.attend(y)  # tied output projection
+
+
+@dataclass(frozen=True)
+class LinenEncDecStep(_Step):
+    """Flax linen encoder-decoder (nn.scan over nn.remat on both stacks), f32, Adam with
+    the inverse-square-root warm-up, donated state."""
+
+    cfg: EncDecConfig = EncDecConfig()
+
+    def _tx(self) -> optax.GradientTransformation:
+        c = self.cfg
+
+        def noam(step: jax.Array) -> jax.Array:
+            step = step + 1.0
+            return c.d_model ** -0.5 * jnp.minimum(step ** -0.5, step * c.warmup ** -1.5)
+
+        return optax.adam(noam, b1=0.9, b2=0.98, eps=1e-9)
+
+    def _batch(self) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+        c = self.cfg
+        return (jax.ShapeDtypeStruct((c.batch, c.src_len), jnp.int32),
+                jax.ShapeDtypeStruct((c.batch, c.tgt_len + 1), jnp.int32))
+
+    def abstract_args(self) -> tuple[Any, Any]:
+        c = self.cfg
+        model, tx = EncoderDecoder(c), self._tx()
+
+        def state() -> Any:
+            src, tgt = (jnp.zeros((c.batch, n), jnp.int32) for n in (c.src_len, c.tgt_len))
+            params = model.init(jax.random.PRNGKey(0), src, tgt)["params"]
+            return params, tx.init(params)
+
+        return jax.eval_shape(state), self._batch()
+
+    def make_step(self) -> Callable[[Any], Any]:
+        tx = self._tx()
+
+        def make(policy: Any) -> Any:
+            model = EncoderDecoder(self.cfg, policy=policy)
+
+            def loss_fn(params: Any, src: jax.Array, tgt: jax.Array) -> jax.Array:
+                logits = model.apply({"params": params}, src, tgt[:, :-1])
+                return optax.softmax_cross_entropy_with_integer_labels(
+                    logits, tgt[:, 1:]).mean()
+
+            def train_step(state: Any, batch: Any) -> tuple[Any, jax.Array]:
+                params, opt_state = state
+                loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
+                updates, opt_state = tx.update(grads, opt_state, params)
+                return (optax.apply_updates(params, updates), opt_state), loss
+
+            return jax.jit(train_step, donate_argnums=0)
+
+        return make
+
 STEPS: dict[str, Any] = {s.name: s for s in [
     LinenGPT2Step(
         "linen-gpt2",
@@ -466,5 +796,18 @@ STEPS: dict[str, Any] = {s.name: s for s in [
         note="Flax nnx parallel blocks: nnx.scan(nnx.remat) x6, hidden 96, 6 query heads "
              "over one K/V head (MQA), ALiBi, squared-ReLU MLP 4x, f32, optax.sgd "
              "momentum, not donated; 6 tags"),
+    MixerStep(
+        "haiku-free-mixer",
+        note="pure JAX + optax MLP-Mixer: lax.scan over jax.checkpoint x4, 64 patches of "
+             "4x4, hidden 128, token MLP 64, channel MLP 512, GELU, LayerScale, bf16 "
+             "compute over f32 master weights, clip_by_global_norm + optax.lion, "
+             "donated; 6 tags"),
+    LinenEncDecStep(
+        "linen-encdec",
+        note="Flax linen encoder-decoder: nn.scan(nn.remat) on a 3-layer encoder and a "
+             "3-layer decoder (causal self-attention + cross-attention), hidden 64, 4 "
+             "heads, post-LN, ReLU MLP 4x, sinusoidal positions, shared tied embedding, "
+             "f32, optax.adam with inverse-sqrt warm-up, donated; 6 tags shared by both "
+             "stacks"),
 ]}
 """The foreign steps, by name (all held-out)."""
