@@ -1,6 +1,6 @@
 """`fit` on training steps written in other libraries' styles (tests/cpu/foreign_zoo.py:
-Flax linen, Equinox, Flax nnx), none looked at while `fit` was tuned: at a limit halfway
-from full remat to no remat, both compiled here, the plan fits and states its own
+Flax linen, Equinox, Flax nnx, pure JAX), none looked at while `fit` was tuned: at a
+limit halfway from full remat to no remat, both compiled here, the plan fits and states its own
 policy's compile, XLA's figures read here. Compiles several programs: marked slow. The
 sweep against the brute force is `benchmarks/fit_sweep.py --steps-module
 tests.cpu.foreign_zoo`."""
