@@ -100,9 +100,21 @@ def _train_step(logits: Callable[[Any, jax.Array], jax.Array],
         return optax.softmax_cross_entropy_with_integer_labels(
             logits(params, tokens[:, :-1]), tokens[:, 1:]).mean()
 
-    def train_step(state: Any, tokens: jax.Array) -> tuple[Any, jax.Array]:
+    return _update_step(loss_fn, tx, donate=donate, apply_updates=apply_updates,
+                        batch_is_tuple=False)
+
+
+def _update_step(loss_fn: Callable[..., jax.Array], tx: optax.GradientTransformation, *,
+                 donate: bool = True,
+                 apply_updates: Callable[[Any, Any], Any] = optax.apply_updates,
+                 batch_is_tuple: bool = True) -> Any:
+    """The jitted step of `loss_fn(params, *batch)` (or `loss_fn(params, batch)`):
+    ``state = (params, opt_state)`` and the batch in, the updated state and the loss out."""
+
+    def train_step(state: Any, batch: Any) -> tuple[Any, jax.Array]:
         params, opt_state = state
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        args = batch if batch_is_tuple else (batch,)
+        loss, grads = jax.value_and_grad(loss_fn)(params, *args)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (apply_updates(params, updates), opt_state), loss
 
@@ -601,13 +613,7 @@ class MixerStep(_Step):
                 targets = optax.smooth_labels(jax.nn.one_hot(labels, c.classes), 0.1)
                 return optax.softmax_cross_entropy(logits, targets).mean()
 
-            def train_step(state: Any, batch: Any) -> tuple[Any, jax.Array]:
-                params, opt_state = state
-                loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
-                updates, opt_state = tx.update(grads, opt_state, params)
-                return (optax.apply_updates(params, updates), opt_state), loss
-
-            return jax.jit(train_step, donate_argnums=0)
+            return _update_step(loss_fn, tx)
 
         return make
 
@@ -770,13 +776,7 @@ class LinenEncDecStep(_Step):
                 return optax.softmax_cross_entropy_with_integer_labels(
                     logits, tgt[:, 1:]).mean()
 
-            def train_step(state: Any, batch: Any) -> tuple[Any, jax.Array]:
-                params, opt_state = state
-                loss, grads = jax.value_and_grad(loss_fn)(params, *batch)
-                updates, opt_state = tx.update(grads, opt_state, params)
-                return (optax.apply_updates(params, updates), opt_state), loss
-
-            return jax.jit(train_step, donate_argnums=0)
+            return _update_step(loss_fn, tx)
 
         return make
 
