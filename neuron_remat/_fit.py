@@ -37,8 +37,12 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    set, and never to a long shot while nothing better than full remat fits. It stops when
    the least-recompute set fits, nothing better is plausible, or the budget (`max_compiles`,
    6 up to 8 tags, said up front) is spent, and logs why; the plan is the least-recompute
-   set whose compile fit, never one that did not. No remat is a candidate like the others
-   (its policy: ``everything_saveable``), compiled once the least-recompute save set fits.
+   set whose compile fit, never one that did not, unless another compiled set that fits
+   counts fewer operations in its compile (``cost_analysis()``'s flops + transcendentals:
+   no remat can count more than saving every tag), which then is the plan, with a note.
+   No remat is a candidate like the others (its policy: ``everything_saveable``), compiled
+   once the least-recompute save set fits (with the compile as the oracle, where no remat
+   fits, every tag saved gets a compile to compare it with).
    When full remat does not fit, or fits with less than `TIGHT` x the uncertainty to spare
    (there the model cannot rank the sets: one tag's packing moves the figure by more than
    the room), every tag saved, then each tag alone, then any set, most likely to fit first,

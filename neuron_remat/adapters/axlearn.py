@@ -331,7 +331,8 @@ def _define_modifier(config_modifier: Any, config_class: Any, config_for_functio
                 logger.info("neuron_remat: %s is set; remat_spec left as it is",
                             plugin.DISABLE_ENV)
             else:
-                strict = plugin._flag(plugin.STRICT_ENV) if c.strict is None else c.strict  # noqa: SLF001
+                strict = (plugin._flag(plugin.STRICT_ENV)  # noqa: SLF001
+                          if c.strict is None else c.strict)
                 try:
                     result = plan_trainer(cfg, instance_type=c.instance_type, hosts=c.hosts,
                                           reserve=c.reserve, stack_path=c.stack_path)
