@@ -718,7 +718,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for i, a in enumerate(argv)
             if not (i > 0 and argv[i - 1] == "--reserve" and a.startswith("-")
                     and not a.startswith("--"))]
-    as_json = "--json" in argv
+    # --json or an abbreviation argparse takes for it (no other option starts with --j),
+    # so that an error found while parsing is JSON too
+    as_json = any(len(a) > 3 and "--json".startswith(a) for a in argv)
     verbose = "-v" in argv or "--verbose" in argv
     try:
         args = _parser().parse_args(argv)

@@ -463,9 +463,11 @@ def test_cli_plan_refuses_in_one_line(argv, words):
 
 
 def test_cli_errors_under_json_are_json(capsys):
-    assert main([*PLAN, "--seq-len", "0", "--json"]) == 2
     import json
-    assert "--seq-len" in json.loads(capsys.readouterr().out)["error"]
+
+    for flag in ("--json", "--js"):  # an abbreviation argparse takes, too
+        assert main([*PLAN, "--seq-len", "0", flag]) == 2
+        assert "--seq-len" in json.loads(capsys.readouterr().out)["error"]
 
 
 def test_cli_model_files_are_named(tmp_path):
