@@ -166,10 +166,9 @@ def audit(fn: Callable[..., Any], *args: Any, policy: RegexPolicy | Callable[...
         # Not a layer (a loss, a function with several outputs): no argument is the layer
         # input, so every argument JAX keeps is reported as an input, as JAX sees it.
         acts = tuple(range(call.n_positional))
-    with remat3_off():  # JAX's original remat: its calls are remat2 equations
-        inner = sum(str(e.primitive) == "remat2" or type(  # or remat3's, made before
-            e.params.get("_prim")).__name__.startswith("Remat")
-            for e, _ in _jaxpr._walk(jax.make_jaxpr(fn)(*args).jaxpr))
+    with remat3_off():  # calls wrapped before still trace as remat3's
+        inner = sum(_jaxpr.is_checkpoint_call(e)
+                    for e, _ in _jaxpr._walk(jax.make_jaxpr(fn)(*args).jaxpr))
     if inner:
         logger.warning("audit: %s", _INNER.format(n=inner))
     built = _trace.emitted_build(fn, args, kwargs)

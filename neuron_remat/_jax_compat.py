@@ -14,6 +14,8 @@ Private names:
   Present in every tested version.
 * ``jax._src.ad_checkpoint.CheckpointName``: the tag under JAX's new remat
   (``jax_remat3``, JAX >= 0.10); None before.
+* ``jax._src.ad_checkpoint.RematTraced``: a ``jax.checkpoint`` call under ``jax_remat3``
+  (in the ``_prim`` parameter of its equation; ``remat2`` is the original's); None before.
 * ``jax._src.ad_checkpoint.saved_residuals``: JAX's own residual listing, which tests use as
   ground truth (the package reads residuals from the traced VJP's structure instead).
 * ``jax._src.ad_checkpoint.SaveOnlyTheseNames``, ``SaveAnyNamesButThese``,
@@ -39,7 +41,8 @@ import jax
 from jax._src import ad_checkpoint as _ad_checkpoint  # private: see the module docstring
 from jax.extend import core as jex_core
 
-__all__ = ["CHECKPOINT_NAME", "ClosedJaxpr", "Jaxpr", "Literal", "NAME_PRIMITIVE", "Var",
+__all__ = ["CHECKPOINT_NAME", "REMAT_TRACED", "ClosedJaxpr", "Jaxpr", "Literal",
+           "NAME_PRIMITIVE", "Var",
            "distributed_state", "everything_saveable", "is_name_primitive", "name_p",
            "nothing_saveable", "policy_class", "remat3_off", "remat3_rule_params",
            "save_only_these_names", "saved_residuals", "scan_counts", "shard_map"]
@@ -47,6 +50,7 @@ __all__ = ["CHECKPOINT_NAME", "ClosedJaxpr", "Jaxpr", "Literal", "NAME_PRIMITIVE
 name_p: Any = _ad_checkpoint.name_p
 NAME_PRIMITIVE = str(name_p)
 CHECKPOINT_NAME: Any = getattr(_ad_checkpoint, "CheckpointName", None)  # JAX >= 0.10
+REMAT_TRACED: Any = getattr(_ad_checkpoint, "RematTraced", None)  # JAX >= 0.10
 saved_residuals: Any = _ad_checkpoint.saved_residuals
 
 ClosedJaxpr = jex_core.ClosedJaxpr

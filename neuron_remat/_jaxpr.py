@@ -230,6 +230,15 @@ def tag_of(eqn: Any) -> str | None:
     return None
 
 
+def is_checkpoint_call(eqn: Any) -> bool:
+    """Whether `eqn` is a ``jax.checkpoint`` call: JAX's original ``remat2`` equation, or
+    the ``RematTraced`` primitive of its new remat (``jax_remat3``)."""
+    if str(eqn.primitive) == "remat2":
+        return True
+    prim = eqn.params.get("_prim") if jc.REMAT_TRACED is not None else None
+    return prim is not None and isinstance(prim, jc.REMAT_TRACED)
+
+
 def _inner_jaxpr(eqn: Any) -> Any:
     """The jaxpr of a call-like equation (jit, closed_call, shard_map, ...) whose outputs
     are its inner jaxpr's outputs one to one, or None."""
