@@ -181,11 +181,9 @@ def _compile(step: Any, args: Sequence[Any]) -> _Compiled:
     except Exception:  # noqa: BLE001
         flops, trans = float("nan"), 0.0
     figures = _figures(mem, fields)
-    if figures is None:
+    if figures is None or sum(figures[:3]) <= 0:  # no figures, or none worth the name
         return _Compiled(None, 0, 0, 0, 0, flops, seconds, fixed=fixed, transcendentals=trans)
     arg, out, temp, alias = figures
-    if arg + out + temp <= 0:
-        return _Compiled(None, 0, 0, 0, 0, flops, seconds, fixed=fixed, transcendentals=trans)
     return _Compiled(arg + out + temp - alias, arg, out, temp, alias, flops, seconds,
                      fixed=fixed, transcendentals=trans)
 

@@ -362,7 +362,7 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
         raise NoFitError(_no_fit(probes, limit, hbm, held, search.oracle)
                          + (f" Also: {search.noticed}." if search.noticed else ""))
     notes = [f"search: {search.stop}"]
-    cheaper = _fewest_flops(best, [c for c in cands if search.fits(c.saved)], results)
+    cheaper = _fewest_ops(best, [c for c in cands if search.fits(c.saved)], results)
     if cheaper is not best:
         notes.append(f"{_what(cheaper.saved)} compiles to fewer FLOPs and transcendentals "
                      f"({_ops(results[cheaper.saved]) / 1e9:.4g} G) than "
@@ -390,7 +390,7 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
                       over={s for s, c in results.items() if c.over(limit)}, stop=search.stop)
 
 
-def _fewest_flops(best: _Candidate, fitted: Sequence[_Candidate],
+def _fewest_ops(best: _Candidate, fitted: Sequence[_Candidate],
                   results: dict[Any, _Compiled]) -> _Candidate:
     """Among the compiled sets that fit, the one whose compile counts the fewest operations
     (``cost_analysis()``'s flops and transcendentals: a set that recomputes a tanh trades

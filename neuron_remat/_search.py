@@ -605,7 +605,7 @@ class _Search:
                 and every.saved not in self.compiled and self.used < self.max_compiles:
             # no remat fits; so may every tag saved, whose compile can count fewer FLOPs
             # (no remat keeps converts and XLA's rewrites that saving every tag does not):
-            # one compile more lets fit compare the two (`_fit._fewest_flops`)
+            # one compile more lets fit compare the two (`_fit._fewest_ops`)
             self._measure(every)
         return best
 
