@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import models, multihost, planner, policies
+from ._jax_compat import name_p
 from .device import _ENV_KEYS as _DEVICE_ENV
 from .device import DeviceSpec, as_device, detect
 from .multihost import PolicyMismatchError
@@ -514,10 +515,28 @@ class DeferredPolicy(policies.ResolvingPolicy):
         return choice
 
     def __call__(self, prim: Any, *args: Any, **params: Any) -> Any:
-        policy = self.resolve().policy
-        if policy is None:
+        choice = self.resolve()
+        if choice.policy is None:
             return False  # jax.checkpoint's own default: save nothing
-        return self.answer(policy(prim, *args, **params))
+        if choice.plan is not None and str(prim) == str(name_p) and "name" in params:
+            self._warn_uncounted(choice.plan, params["name"])
+        return self.answer(choice.policy(prim, *args, **params))
+
+    def _warn_uncounted(self, plan: planner.Plan, name: Any) -> None:
+        """One warning per tag the layer emits that the plan never costed: it is
+        recomputed, and where none of the layer's tags is the plan's (a layer that names
+        its values otherwise than the model's `TransformerConfig.tags`), the layer runs
+        as full remat. JAX asks about tags one by one, so there is no point at which
+        all of them are known; the first unknown one is said at once."""
+        warned = self.__dict__.setdefault("_uncounted", set())
+        if not isinstance(name, str) or name in warned or plan.counts_tag(name):
+            return
+        warned.add(name)
+        logger.warning(
+            "neuron_remat: the layer tags %r, which the plan did not cost (its tags: %s): "
+            "it is recomputed; if the layer names its values otherwise than the model's "
+            "tags (TransformerConfig.tags), the plan's saves match nothing and the layer "
+            "runs as full remat", name, ", ".join(d.tag for d in plan.decisions) or "none")
 
 
 class _Held:

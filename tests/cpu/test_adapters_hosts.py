@@ -15,6 +15,7 @@ on the real wrapped layer (`reference.layer` (tests/cpu/reference.py), the layer
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
+from jax.ad_checkpoint import checkpoint_name
 
 import neuron_remat as nr
 from neuron_remat import device as nr_device
@@ -226,6 +228,31 @@ def test_on_trn2_without_a_model_the_layer_keeps_the_preset_tags(kind, monkeypat
     assert named(res) == tags_saved_by(nr.preset("trn2-fuji-70b")) == {
         NAMES[r] for r in ("q_proj", "k_proj", "v_proj", "linear1_0", "linear1_1")}
     assert _only_arguments_and(res), res
+
+
+def test_a_layer_tag_the_plan_did_not_cost_is_warned_about_once(monkeypatch, caplog):
+    """The reference layer emits the model's tags: no warning. A layer that names a value
+    otherwise (here one more tag beside the model's) gets one warning naming it, however
+    often it is traced, and JAX recomputes it (it is not among the kept residuals)."""
+    monkeypatch.setenv("NEURON_REMAT_DEVICE", TRN2)
+    with caplog.at_level(logging.WARNING, logger="neuron_remat"):
+        wrapped("linen").residuals()
+    assert not [r for r in caplog.records if "did not cost" in r.getMessage()]
+
+    def layer(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+        y = reference.layer(x, p, CONFIG)
+        return jnp.tanh(checkpoint_name(y * 2.0, "my_block.extra")) + y
+
+    p = reference.init_layer(jax.random.key(0), CONFIG)
+    fn = nr.checkpoint(layer, **CONTEXT)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="neuron_remat"):
+        res = saved_residuals(fn, _x(), p)
+        saved_residuals(fn, _x(), p)
+    said = [r.getMessage() for r in caplog.records if "did not cost" in r.getMessage()]
+    assert len(said) == 1 and "'my_block.extra'" in said[0], said
+    kept = named([(a.str_short(), d) for a, d in res])
+    assert "my_block.extra" not in kept and kept == planned_tags(), kept
 
 
 # --------------------------------------------------------------------------------------
