@@ -103,7 +103,8 @@ from ._mix import MIX_COMPILES, fit_per_layer
 from ._search import (DEFAULT_BAND, FLOOR, NO_REMAT, TIGHT, _Candidate, _candidates, _frontier,
                       _max_compiles, _Model, _oracle_cap, _PolicyIgnored, _Search, _stretch,
                       _what)
-from ._step import LayerBackward, StepGraph, StepTraceError, _named, _pool, step_graph
+from ._step import (LayerBackward, StepGraph, StepTraceError, _named, _pool, aliases,
+                    step_graph)
 from .device import DeviceSpec, as_device
 from .memory_model import reserve_bytes as _reserve_bytes
 from ._plan import Choice, NoFitError, Plan, TagDecision
@@ -243,7 +244,11 @@ def _setup(make_step: Callable[[Any], Any], args: Sequence[Any], device: DeviceS
     asked = plan_options.get("candidates")
     tags = _pool(graph, asked)
     if asked is not None:
-        left = [c for c in dict.fromkeys(_named(asked)) if c not in tags]
+        second = aliases(graph, [c for c in dict.fromkeys(_named(asked)) if c in graph.tags])
+        for c, first in second.items():
+            logger.info("neuron_remat.fit: candidate %s names the value %s names: decided "
+                        "as %s", c, first, first)
+        left = [c for c in dict.fromkeys(_named(asked)) if c not in tags and c not in second]
         if left:
             logger.warning("neuron_remat.fit: candidates %s are not decided: saving them "
                            "saves no recompute, or less than %g FLOPs per byte kept "
@@ -469,10 +474,18 @@ def _make_plan(graph: StepGraph, best: _Candidate, cands: Sequence[_Candidate],
         saved, kept, recompute, read = best.saved, best.kept, best.recompute, best.read
         workspace = int(round(model.slope * read))
     base = (graph.kept_bytes(()), graph.recompute_flops(()))
+    second = {t: u for t, u in aliases(graph, graph.tags).items() if u in tags}
     decisions = []
     for t in graph.tags:
         k1, f1 = graph.kept_bytes((t,)), graph.recompute_flops((t,))
         extra, gain = (k1 - base[0]) // layers, (base[1] - f1) / layers
+        if t in second and not no_remat:
+            first = second[t]
+            decisions.append(TagDecision(  # the policy names the first name only
+                t, False, max(extra, 0), max(float(gain), 0.0),
+                f"another name of {first}'s value: " + ("kept, as " if first in saved
+                                                        else "recomputed, as ") + first))
+            continue
         if t not in tags and not no_remat:
             reason = ("saving it saves no recompute" if f1 >= base[1]
                       else "not a candidate")

@@ -389,6 +389,8 @@ def eqn_flops(eqn: Any) -> int:
         lhs = eqn.invars[0].aval.shape
         k = math.prod(lhs[i] for i in lhs_contract)
         return 2 * int(math.prod(eqn.outvars[0].aval.shape)) * int(k)
+    if name in ("ragged_dot_general", "ragged_dot"):
+        return _ragged_dot_flops(eqn)
     if name == "logistic":
         return 3 * int(math.prod(eqn.outvars[0].aval.shape))
     if name == "gather" and "FILL_OR_DROP" in str(eqn.params.get("mode", "")):
@@ -414,6 +416,24 @@ def eqn_flops(eqn: Any) -> int:
         return 0  # a weak-type change: no instruction
     out = eqn.outvars[0].aval if eqn.outvars else None
     return int(math.prod(getattr(out, "shape", ()))) if out is not None else 0
+
+
+def _ragged_dot_flops(eqn: Any) -> int:
+    """A ragged dot's work: each element of the left operand meets one group's right
+    operand (its rows are split among the groups), so 2 x the left operand's elements x
+    the right operand's free dimensions (neither contracted, batch nor group), whichever
+    of its three forms (``jax.lax.ragged_dot``'s forward, and its two transposes). That is
+    what a grouped-matmul kernel does (MaxText's megablox, a Neuron kernel). XLA:CPU
+    instead expands the op into a dense dot per group under masks, and its cost analysis
+    counts that: the number of groups times this, and a select per element more."""
+    dims = eqn.params.get("ragged_dot_dimension_numbers")
+    rhs = eqn.invars[1].aval.shape
+    if dims is None:  # the older primitive has one form: [m, k] x [groups, k, n]
+        return 2 * int(math.prod(eqn.invars[0].aval.shape)) * int(rhs[-1])
+    (_, rhs_contract), (_, rhs_batch) = dims.dot_dimension_numbers
+    skip = {*rhs_contract, *rhs_batch, *dims.rhs_group_dimensions}
+    free = math.prod(d for i, d in enumerate(rhs) if i not in skip)
+    return 2 * int(math.prod(eqn.invars[0].aval.shape)) * int(free)
 
 
 @dataclass(frozen=True)

@@ -294,4 +294,28 @@ def _pool(graph: StepGraph, candidates: Iterable[str] | None) -> tuple[str, ...]
         if pays(base - graph.recompute_flops((t,)), graph.kept_bytes((t,)) - base_kept) or \
                 pays(graph.recompute_flops(rest) - most, most_kept - graph.kept_bytes(rest)):
             out.append(t)
-    return tuple(out)
+    second = aliases(graph, out)
+    return tuple(t for t in out if t not in second)
+
+
+def aliases(graph: StepGraph, tags: Sequence[str]) -> dict[str, str]:
+    """The tags of `tags` that name the same value as an earlier one, each mapped to that
+    first name: MaxText names a routed expert's projection twice (``mlpwi_0`` and
+    ``moe_mlpwi_0``, one ``checkpoint_name`` around the other), and saving either keeps
+    the value. Two tags are one value when saving either alone, or both, keeps the same
+    bytes and recomputes the same FLOPs (two alike tags, a K and a V projection, keep
+    twice as much together), and beside every other tag neither adds anything."""
+    kept, flops = graph.kept_bytes, graph.recompute_flops
+    out: dict[str, str] = {}
+    first: list[str] = []
+    for t in tags:
+        for u in first:
+            pair, others = (u, t), tuple(o for o in tags if o not in (u, t))
+            if kept((t,)) == kept((u,)) == kept(pair) and \
+                    flops((t,)) == flops((u,)) == flops(pair) and \
+                    kept((*others, u)) == kept((*others, t)) == kept((*others, *pair)):
+                out[t] = u
+                break
+        else:
+            first.append(t)
+    return out

@@ -578,6 +578,8 @@ def op_kind(op: Op, graph: LayerGraph) -> str:
     if value is not None and value.dot:
         return "matmul"
     prim = op.name.split(":", 1)[0]
+    if prim in ("ragged_dot_general", "ragged_dot"):  # a grouped matmul (not a dot to dots_saveable)
+        return "matmul"
     if prim in _TRANSCENDENTAL:
         return "transcendental"
     if prim in _REDUCTION:

@@ -464,3 +464,62 @@ def test_layers_alike_but_for_the_number_in_their_tag_names_are_one_kind():
 
     graph = F.step_graph(make, S((3, 16, 16), jnp.float32), S((4, 16), jnp.float32))
     assert len(graph.layers) == 3 and graph.kinds() == 1
+
+
+# --------------------------------------------------------------------------------------
+# A value named twice (MaxText names a routed expert's projection `mlpwi_0` and
+# `moe_mlpwi_0`, one checkpoint_name around the other).
+# --------------------------------------------------------------------------------------
+
+
+def _named_twice(x, w):
+    h = checkpoint_name(checkpoint_name(x @ w["a"], "inner"), "outer")
+    g = checkpoint_name(jnp.tanh(h) @ w["b"], "h2")
+    return x + jnp.tanh(g) @ w["c"]
+
+
+def test_a_value_named_twice_is_one_candidate(caplog):
+    """JAX keeps the same residuals whichever of the two names a policy saves, or both
+    (`saved_residuals`); `fit` decides the value once, under its first name, and says
+    what the second is, rather than spending compiles on sets that differ only in
+    which name they save."""
+    import logging
+
+    from jax._src.ad_checkpoint import save_only_these_names, saved_residuals
+
+    def make(policy):
+        def loss(p, x):
+            return jnp.mean(nr.scan_layers(_named_twice, p, x, policy) ** 2)
+
+        return jax.jit(lambda p, x: jax.tree.map(lambda a, b: a - 1e-2 * b, p,
+                                                 jax.grad(loss)(p, x)), donate_argnums=(0,))
+
+    w = {k: jnp.zeros(v.shape[1:], v.dtype) for k, v in ARGS[0].items()}
+    x = jnp.zeros(ARGS[1].shape, ARGS[1].dtype)
+    kept = {names: sorted((a.str_short(), d.split(" from")[0].replace("outer", "inner"))
+                          for a, d in saved_residuals(jax.checkpoint(
+                              _named_twice, policy=save_only_these_names(*names)), x, w))
+            for names in [("inner",), ("outer",), ("inner", "outer")]}
+    assert kept[("inner",)] == kept[("outer",)] == kept[("inner", "outer")], kept
+
+    # between saving both values and no remat: the search must decide the first value
+    every = _xla_bytes_of(make, save_only_these_names("inner", "h2"))
+    none = _xla_bytes_of(make, jax.checkpoint_policies.everything_saveable)
+    assert every < none
+    device = nr.parse_device(f"trn2.48xlarge:hbm={(every + none) // 2}B:cores=1",
+                             source="test")
+    with caplog.at_level(logging.INFO, logger="neuron_remat"):
+        plan = nr.fit(make, *ARGS, device=device, reserve=0, candidates=["inner", "outer",
+                                                                          "h2"])
+    assert "outer" not in plan.saved_tags and "inner" in plan.saved_tags, plan.saved_tags
+    assert not any(p.saved and "outer" in p.saved for p in plan.compiled.probes)
+    why = {d.tag: d.reason for d in plan.decisions}
+    assert why["outer"] == "another name of inner's value: kept, as inner", why
+    assert any("outer names the value inner names" in r.getMessage()
+               for r in caplog.records)
+
+
+def _xla_bytes_of(make, policy) -> int:
+    m = make(policy).lower(*ARGS).compile().memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)

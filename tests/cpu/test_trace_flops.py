@@ -29,9 +29,9 @@ P = {"router": jnp.ones((D, E)) + jnp.arange(E), "w1": jnp.ones((E, D, F)),
      "w2": jnp.ones((F, D))}
 
 
-def _xla_step_flops(layer, policy) -> float:
+def _xla_step_flops(layer, policy, params=P) -> float:
     f = layer if policy is None else jax.checkpoint(layer, policy=policy)
-    ps = jax.tree.map(lambda a: jnp.stack([a, a]), P)
+    ps = jax.tree.map(lambda a: jnp.stack([a, a]), params)
 
     def loss(x, ps):
         return jax.lax.scan(lambda h, q: (f(h, q), None), x, ps)[0].sum()
@@ -48,3 +48,52 @@ def test_moe_routing_recompute_is_xlas(mode):
     for saved in [(), ("router",), ("router", "up")]:
         xla = _xla_step_flops(layer, jax.checkpoint_policies.save_only_these_names(*saved))
         assert fp.evaluate(saved)[1] == pytest.approx(xla - base, rel=1e-6), saved
+
+
+# --------------------------------------------------------------------------------------
+# A grouped matmul (`jax.lax.ragged_dot`, MaxText's sparse MoE path): its work, not XLA:CPU's
+# dense expansion of it.
+# --------------------------------------------------------------------------------------
+
+ROWS = (3, 5, 0, 8)  # tokens per expert, sorted by expert (T in all)
+
+
+def _grouped_layer(ragged):
+    """Tokens already sorted by expert through one expert's up projection each: with
+    ``ragged_dot``, or as a dense dot per expert over its (static) rows."""
+    starts = [sum(ROWS[:g]) for g in range(E)]
+
+    def layer(x, p):
+        h = cn(x @ p["w0"], "in")
+        if ragged:
+            up = jax.lax.ragged_dot(h, p["we"], jnp.array(ROWS, jnp.int32))
+        else:
+            up = jnp.concatenate([h[s:s + n] @ p["we"][g]
+                                  for g, (s, n) in enumerate(zip(starts, ROWS)) if n])
+        return x + jnp.tanh(cn(up, "up")) @ p["w2"]
+    return layer
+
+
+def test_a_ragged_dot_recomputes_a_grouped_matmuls_work():
+    """The trace of the ``ragged_dot`` layer recomputes what XLA counts for the same layer
+    written as a dense dot per expert (in a scan of two, as above) (each token meets one expert: 2 x T x D x F for the
+    up projection), under each policy; XLA's count of the ``ragged_dot`` layer itself is
+    several times larger (XLA:CPU computes every expert on every token, under masks)."""
+    p = {"w0": jnp.ones((D, D)) * 0.1, "we": jnp.ones((E, D, F)) * 0.1,
+         "w2": jnp.ones((F, D)) * 0.1}
+    fp = nr.traced_footprint(_grouped_layer(True), X, p)
+    dense, ragged = _grouped_layer(False), _grouped_layer(True)
+
+    def step_flops(layer, policy):  # a scan of two layers: one layer's recompute
+        return _xla_step_flops(layer, policy, p)
+
+    base = step_flops(dense, None)
+    for saved in [(), ("in",), ("up",), ("in", "up")]:
+        policy = jax.checkpoint_policies.save_only_these_names(*saved)
+        assert fp.evaluate(saved)[1] == pytest.approx(step_flops(dense, policy) - base,
+                                                      rel=1e-6), saved
+    saved_up = fp.evaluate(("in",))[1] - fp.evaluate(("in", "up"))[1]
+    assert saved_up >= 2 * T * D * F - T * F  # the up projection's work, less a tanh's use
+    xla = (step_flops(ragged, jax.checkpoint_policies.save_only_these_names("in"))
+           - step_flops(ragged, jax.checkpoint_policies.save_only_these_names("in", "up")))
+    assert xla > 2 * saved_up, (xla, saved_up)
