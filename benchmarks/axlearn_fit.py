@@ -40,8 +40,6 @@ MiB = 1 << 20
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = MF.real_step_parser(__doc__.splitlines()[0], NAME)
-    p.add_argument("--steps", default=None,
-                   help="comma-separated steps of tests/cpu/axlearn_zoo.py (default all)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(C.REPO / "tests" / "cpu"))
     import axlearn_zoo as az  # noqa: PLC0415

@@ -54,7 +54,7 @@ def _gap_bins(gaps: Sequence[float]) -> dict[str, int]:
 
 def real_step_parser(description: str, name: str) -> Any:
     """The options of a sweep of a host library's real step: `_common.parser`'s, and
-    ``--brute-only``, ``--tags``, ``--max-compiles`` (fit_sweep.py's)."""
+    ``--brute-only``, ``--tags``, ``--steps``, ``--max-compiles`` (fit_sweep.py's)."""
     import fit_sweep as FS  # noqa: PLC0415
 
     p = C.parser(description, name)
@@ -62,6 +62,8 @@ def real_step_parser(description: str, name: str) -> Any:
     p.add_argument("--tags", type=FS.tag_count, default=MAX_TAGS,
                    help=f"tags in the brute force (default {MAX_TAGS}, at most "
                         f"{FS.MAX_TAGS}; --small: 3)")
+    p.add_argument("--steps", default=None,
+                   help="comma-separated steps of the host's zoo module (default all)")
     p.add_argument("--max-compiles", type=FS.compile_budget, default=None, metavar="N",
                    help="give fit this compile budget (max_compiles=N, at least 3) instead "
                         "of its own, as fit_sweep.py's option")
@@ -85,7 +87,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"maxtext": mz.MAXTEXT_VERSION, "max_tags": max_tags,
                               "max_compiles": args.max_compiles, "steps": {}}
     lines: list[str] = []
-    for name, spec in mz.STEPS.items():
+    names = list(mz.STEPS) if args.steps is None else args.steps.split(",")
+    unknown = [n for n in names if n not in mz.STEPS]
+    if unknown:
+        raise SystemExit(f"maxtext_fit: --steps: no step {unknown[0]!r} in "
+                         f"tests/cpu/maxtext_zoo.py; valid: {', '.join(mz.STEPS)}")
+    for name in names:
+        spec = mz.STEPS[name]
         graph = F.step_graph(spec.make_step(), *spec.abstract_args())
         step, more = sweep_real_step(name, spec, graph, "MaxText", mz.MAXTEXT_VERSION,
                                      args.out / "maxtext_brute", max_tags, n_sizes,

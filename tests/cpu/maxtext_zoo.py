@@ -143,6 +143,9 @@ class MaxTextSpec:
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     scan: bool = True
+    layer: tuple[str, str] = ("llama2", "LlamaDecoderLayer")
+    """The decoder layer class of `config`'s ``decoder_block``: (module of
+    ``maxtext.models``, class), as ``NNXDecoder.get_decoder_layers`` picks it."""
 
     # ---- MaxText's pieces --------------------------------------------------------------
 
@@ -171,21 +174,27 @@ class MaxTextSpec:
     # ---- one decoder layer, for the traced footprint -----------------------------------
 
     def decoder_layer(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        """``(fn, (x, params, segment_ids, positions))``: one of MaxText's
-        ``LlamaDecoderLayer``s (as the scanned stack calls it: training mode,
-        deterministic) on a batch of activations `x` in the config's dtype; ``fn`` runs
-        inside the mesh and axis rules. The integer segment ids and positions are
-        arguments (not closed over), so JAX lists them as arguments, not constants."""
+        """``(fn, (x, params, segments, positions))``: one of MaxText's decoder layers
+        (`layer`, as the scanned stack calls it: training mode, deterministic) on a batch
+        of activations `x` in the config's dtype; ``fn`` runs inside the mesh and axis
+        rules. The integer segment ids and positions are arguments (not closed over), so
+        JAX lists them as arguments, not constants."""
+        import importlib  # noqa: PLC0415
+        import inspect  # noqa: PLC0415
+
         import jax  # noqa: PLC0415
         import jax.numpy as jnp  # noqa: PLC0415
         from flax import nnx  # noqa: PLC0415
-        from maxtext.models import llama2  # noqa: PLC0415
 
+        module, name = self.layer
+        cls = getattr(importlib.import_module(f"maxtext.models.{module}"), name)
+        # some layers take the quantisation config as a required argument (None: none)
+        quant = {"quant": None} if "quant" in inspect.signature(cls).parameters else {}
         config = self.maxtext_config()
         mesh = self._built(_overrides_of(None))[2]
         with _in_mesh(mesh, config.logical_axis_rules):
-            layer = llama2.LlamaDecoderLayer(config=config, model_mode="train", mesh=mesh,
-                                             rngs=nnx.Rngs(0))
+            layer = cls(config=config, model_mode="train", mesh=mesh, rngs=nnx.Rngs(0),
+                        **quant)
         graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
         b, s = config.micro_batch_size_to_train_on, config.max_target_length
         x = jax.random.normal(jax.random.PRNGKey(1), (b, s, config.emb_dim)).astype(
@@ -195,9 +204,9 @@ class MaxTextSpec:
 
         def fn(x: Any, params: Any, segments: Any, positions: Any) -> Any:
             with _in_mesh(mesh, config.logical_axis_rules):
-                out, _ = nnx.merge(graphdef, params, rest)(x, segments, positions, True,
-                                                             "train")
-            return out
+                out = nnx.merge(graphdef, params, rest)(x, segments, positions, True,
+                                                        "train")
+            return out[0] if isinstance(out, tuple) else out  # (output, KV cache)
 
         return fn, (x, params, segments, positions)
 
@@ -249,11 +258,47 @@ def _build(name: str, config: tuple[tuple[str, Any], ...],
     return jitted, tuple(args), mesh, cfg
 
 
+MOE: dict[str, Any] = dict(num_experts=4, num_experts_per_tok=2, base_mlp_dim=256,
+                           base_moe_mlp_dim=256, megablox=False, sparse_matmul=True)
+"""A tiny routed MoE: 4 experts of 256, top 2, no token dropping; MaxText's sparse path
+(tokens sorted by expert, ``jax.lax.ragged_dot``; its default), without the Pallas
+megablox kernel (TPU only). MaxText requires ``base_mlp_dim == base_moe_mlp_dim`` for a
+model whose every layer is MoE."""
+
+MLA: dict[str, Any] = dict(attention_type="mla", q_lora_rank=0, kv_lora_rank=64,
+                           qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                           base_num_kv_heads=4, shared_experts=1, first_num_dense_layers=0)
+"""DeepSeek's multi-head latent attention (MLA needs as many KV heads as query heads) and
+one shared expert beside the routed ones, every layer MoE."""
+
 STEPS: dict[str, MaxTextSpec] = {s.name: s for s in [
     MaxTextSpec(
         "maxtext-llama2", CONFIG,
         note=f"MaxText {MAXTEXT_VERSION}'s train_step: models.Transformer, llama2 block, 4 "
              "scanned layers, bf16 activations, MaxText's cross entropy, AdamW, donated "
              "state, 1-device CPU mesh"),
+    MaxTextSpec(
+        "maxtext-mixtral", {**CONFIG, "decoder_block": "mixtral", **MOE},
+        layer=("mixtral", "MixtralDecoderLayer"),
+        note=f"MaxText {MAXTEXT_VERSION}'s train_step with the mixtral block: 4 experts, "
+             "top 2, sorted tokens and ragged_dot, 4 scanned layers, bf16 activations, "
+             "AdamW, donated state, 1-device CPU mesh"),
 ]}
 """MaxText's steps, by name."""
+
+LAYERS: dict[str, MaxTextSpec] = {s.name: s for s in [
+    STEPS["maxtext-llama2"],
+    MaxTextSpec("maxtext-gemma2", {**CONFIG, "decoder_block": "gemma2"},
+                layer=("gemma2", "Gemma2DecoderLayer")),
+    STEPS["maxtext-mixtral"],
+    MaxTextSpec("maxtext-mixtral-dense",
+                {**CONFIG, "decoder_block": "mixtral", **MOE, "sparse_matmul": False},
+                layer=("mixtral", "MixtralDecoderLayer")),
+    MaxTextSpec("maxtext-deepseek", {**CONFIG, "decoder_block": "deepseek", **MOE, **MLA},
+                layer=("deepseek", "DeepSeekMoELayer")),
+]}
+"""MaxText decoder layers whose traced footprint is held to JAX's residuals: llama2's;
+gemma2's (a local and a global attention sublayer, soft-capped logits); mixtral's MoE on
+MaxText's sparse path and on its dense one (``sparse_matmul=False``: every expert on
+every token, weighted by the router); DeepSeek's MoE layer with MLA and a shared
+expert."""
