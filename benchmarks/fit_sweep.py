@@ -37,7 +37,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -193,13 +193,15 @@ class _CachedLowered:
 
 class CachedStep:
     """A jitted step whose ``lower(*args).compile()`` is served from the brute force.
-    Tracing it traces the real step (`fit` reads the layers from the trace)."""
+    Calling it builds and calls the real step (`step()`), only then: a host's step
+    (MaxText's) takes seconds to build, and a sweep asks for thousands."""
 
-    def __init__(self, step: Any, row: dict[str, float], counter: list[int]) -> None:
+    def __init__(self, step: Callable[[], Any], row: dict[str, float],
+                 counter: list[int]) -> None:
         self._step, self._row, self._counter = step, row, counter
 
     def __call__(self, *args: Any) -> Any:
-        return self._step(*args)
+        return self._step()(*args)
 
     def lower(self, *args: Any) -> _CachedLowered:
         return _CachedLowered(self._row, self._counter)
@@ -210,7 +212,7 @@ def cached_make_step(brute: Brute, counter: list[int]) -> Any:
 
     def make(policy: Any) -> CachedStep:
         saved = _saved_of(policy, brute.tags)
-        return CachedStep(make_step(policy), brute.get(saved), counter)
+        return CachedStep(lambda: make_step(policy), brute.get(saved), counter)
 
     return make
 

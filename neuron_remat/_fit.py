@@ -244,7 +244,8 @@ def _setup(make_step: Callable[[Any], Any], args: Sequence[Any], device: DeviceS
     asked = plan_options.get("candidates")
     tags = _pool(graph, asked)
     if asked is not None:
-        second = aliases(graph, [c for c in dict.fromkeys(_named(asked)) if c in graph.tags])
+        second = {c: u for c, u in aliases(graph, [c for c in _named(asked)
+                                                   if c in graph.tags]).items() if u in tags}
         for c, first in second.items():
             logger.info("neuron_remat.fit: candidate %s names the value %s names: decided "
                         "as %s", c, first, first)

@@ -423,7 +423,9 @@ def _ragged_dot_flops(eqn: Any) -> int:
     operand (its rows are split among the groups), so 2 x the left operand's elements x
     the right operand's free dimensions (neither contracted, batch nor group), whichever
     of its three forms (``jax.lax.ragged_dot``'s forward, and its two transposes). That is
-    what a grouped-matmul kernel does (MaxText's megablox, a Neuron kernel). XLA:CPU
+    what a grouped-matmul kernel does (MaxText's megablox, a Neuron kernel), where the
+    group sizes add up to the ragged dimension; rows left out of every group (padding, a
+    capacity limit, local groups) are counted too, so it is an upper bound. XLA:CPU
     instead expands the op into a dense dot per group under masks, and its cost analysis
     counts that: the number of groups times this, and a select per element more."""
     dims = eqn.params.get("ragged_dot_dimension_numbers")

@@ -6,8 +6,6 @@ per-tag and per-group decisions behind it, its runner-ups and per-layer mixes, a
 from __future__ import annotations
 
 import dataclasses
-import functools
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -83,11 +81,6 @@ class LayerMix:
     no_remat: bool = False
 
 
-@functools.lru_cache(maxsize=64)
-def _matcher(patterns: tuple[str, ...]) -> re.Pattern[str]:
-    return re.compile("|".join(f"(?:{p})" for p in patterns) or "(?!)")
-
-
 OBJECTIVES = ("flops", "time")
 """What the planner minimises: recompute FLOPs, or recompute time priced per op by a
 roofline over the device's engine rates (`graph.op_seconds`)."""
@@ -134,15 +127,15 @@ class Plan:
     # as XLA counts them (a compiled set's FLOPs less no remat's), so that they compare.
     layer_mix: tuple[LayerMix, ...] = ()
     layer_policies: tuple[RegexPolicy, ...] | None = None
-    # the patterns of every tag the plan decided on, saved or not, as the host names them
-    # (an axlearn tag's class prefix included); empty: the decisions' tags, verbatim
-    tag_patterns: tuple[str, ...] = ()
 
     def counts_tag(self, name: str) -> bool:
-        """Whether `name` is a tag this plan decided on (saved or recomputed). A layer's
-        tag outside them was never costed: the plan's policy recomputes it."""
-        patterns = self.tag_patterns or tuple(re.escape(d.tag) for d in self.decisions)
-        return _matcher(patterns).fullmatch(name) is not None
+        """Whether the plan knows the tag `name`: one it decided on (saved or recomputed),
+        or, for a plan made for a model, one its host's vocabulary names
+        (`models.TagNames.knows`). A layer tag it does not know was never costed: the
+        plan's policy recomputes it."""
+        if any(d.tag == name for d in self.decisions):
+            return True
+        return self.config is not None and self.config.tags.knows(name)
 
     @property
     def time_overhead(self) -> float:

@@ -465,6 +465,22 @@ class _Search:
             return False
         return True
 
+    def _no_remat_follows(self, first: int, total: int) -> bool:
+        """Whether no remat, compiled (within `total` compiles), grows from full remat's
+        figure `first` by at least `FOLLOW` of what it keeps more. Saving every tag can
+        grow little for another reason than a compiler that ignores the policy: a tag
+        whose saving spares the backward a large recompute workspace (MaxText's MoE on
+        XLA:CPU: saving the experts' output compiles 4 MiB under full remat) offsets
+        what the others keep. No remat keeps the most and recomputes nothing: when it
+        grows, the memory follows the kept bytes. False when it cannot be compiled or
+        gives no figure (the search then reads the flat evidence as it stands)."""
+        nr = self._by.get(None)
+        if nr is None or (None not in self.compiled and self.used >= total):
+            return False
+        got = self.compiled.get(None) or self._measure(nr)
+        figure, extra = self._figure(got), nr.stored - self._by[()].stored
+        return figure is not None and extra > 0 and figure - first >= FOLLOW * extra
+
     def _not_following(self, evidence: str) -> None:
         """Stop: the compiled memory does not follow the kept bytes (`evidence` says how)."""
         self.noticed = (
@@ -729,7 +745,8 @@ class _Search:
             figure, first = self._figure(got), self._figure(self.compiled[()])
             extra = every.stored - full.stored
             if figure is not None and first is not None and extra > 0 \
-                    and figure - first < FOLLOW * extra:
+                    and figure - first < FOLLOW * extra \
+                    and not self._no_remat_follows(first, total):
                 self._not_following(f"saving every tag keeps {fmt_bytes(extra)} more than "
                                     f"full remat but compiles {fmt_bytes(figure - first)} "
                                     "larger")

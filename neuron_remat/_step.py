@@ -267,7 +267,8 @@ def _named(candidates: Iterable[str] | str) -> list[str]:
 
 def _pool(graph: StepGraph, candidates: Iterable[str] | None) -> tuple[str, ...]:
     """The tags worth deciding: those whose saving saves recompute, alone or beside the
-    others, of at least `DEFAULT_MIN_FLOPS_PER_BYTE` for each byte it keeps."""
+    others, of at least `DEFAULT_MIN_FLOPS_PER_BYTE` for each byte it keeps; of two that
+    name one value (`aliases`), the first."""
     if candidates is not None:
         chosen = _named(candidates)
         bad = [c for c in chosen if c not in graph.tags]
@@ -299,21 +300,35 @@ def _pool(graph: StepGraph, candidates: Iterable[str] | None) -> tuple[str, ...]
 
 
 def aliases(graph: StepGraph, tags: Sequence[str]) -> dict[str, str]:
-    """The tags of `tags` that name the same value as an earlier one, each mapped to that
-    first name: MaxText names a routed expert's projection twice (``mlpwi_0`` and
-    ``moe_mlpwi_0``, one ``checkpoint_name`` around the other), and saving either keeps
-    the value. Two tags are one value when saving either alone, or both, keeps the same
-    bytes and recomputes the same FLOPs (two alike tags, a K and a V projection, keep
-    twice as much together), and beside every other tag neither adds anything."""
+    """The tags of `tags` that name the same value as another, each mapped to the first
+    name in the step's order (`graph.tags`): MaxText names a routed expert's projection
+    twice (``mlpwi_0`` and ``moe_mlpwi_0``, one ``checkpoint_name`` around the other), and
+    saving either keeps the value. Two tags of the same layers are one value when saving
+    either alone, or both, keeps the same bytes and recomputes the same FLOPs, and does
+    so beside every other tag too (two alike tags, a K and a V projection, keep twice as
+    much together). A tag whose saving changes nothing alone names no value of its own
+    to compare; it is nobody's alias."""
+    order = {t: i for i, t in enumerate(graph.tags)}
+    tags = sorted(dict.fromkeys(tags), key=lambda t: order.get(t, len(order)))
     kept, flops = graph.kept_bytes, graph.recompute_flops
+    base = (kept(()), flops(()))
+    where = {t: tuple(i for i, layer in enumerate(graph.layers) if t in layer.tags)
+             for t in tags}
+    alone = {t: (kept((t,)), flops((t,))) for t in tags}
     out: dict[str, str] = {}
     first: list[str] = []
     for t in tags:
+        if alone[t] == base:
+            continue
         for u in first:
-            pair, others = (u, t), tuple(o for o in tags if o not in (u, t))
-            if kept((t,)) == kept((u,)) == kept(pair) and \
-                    flops((t,)) == flops((u,)) == flops(pair) and \
-                    kept((*others, u)) == kept((*others, t)) == kept((*others, *pair)):
+            if where[u] != where[t] or alone[u] != alone[t]:
+                continue
+            pair = (u, t)
+            others = tuple(o for o in tags if o not in pair)
+            if (kept(pair), flops(pair)) == alone[t] and \
+                    (kept((*others, u)), flops((*others, u))) == \
+                    (kept((*others, t)), flops((*others, t))) == \
+                    (kept((*others, *pair)), flops((*others, *pair))):
                 out[t] = u
                 break
         else:

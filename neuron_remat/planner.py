@@ -437,8 +437,7 @@ def _choose(fp: mm.Footprint, per_layer: int, candidates: Iterable[str] | None, 
         groups=tuple(GroupDecision(g.tags, g.label, g.bytes, g.recompute_flops, g.alone_flops,
                                    g.shared, set(g.tags) <= set(best.tags)) for g in groups),
         objective=obj, rates=rts, recompute_seconds_per_layer=best.recompute_seconds,
-        forward_seconds_per_layer=fwd_seconds, layer_mix=mix, layer_policies=layer_policies,
-        tag_patterns=tuple(patterns[t] for t in ordered))
+        forward_seconds_per_layer=fwd_seconds, layer_mix=mix, layer_policies=layer_policies)
 
 
 # What an untagged role is, for the note that names the tag that would help.

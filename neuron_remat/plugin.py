@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import models, multihost, planner, policies
-from ._jax_compat import name_p
+from ._jax_compat import is_name_primitive
 from .device import _ENV_KEYS as _DEVICE_ENV
 from .device import DeviceSpec, as_device, detect
 from .multihost import PolicyMismatchError
@@ -518,25 +518,31 @@ class DeferredPolicy(policies.ResolvingPolicy):
         choice = self.resolve()
         if choice.policy is None:
             return False  # jax.checkpoint's own default: save nothing
-        if choice.plan is not None and str(prim) == str(name_p) and "name" in params:
-            self._warn_uncounted(choice.plan, params["name"])
+        if choice.plan is not None and is_name_primitive(prim):
+            _warn_if_uncounted(choice.plan, params.get("name"))
         return self.answer(choice.policy(prim, *args, **params))
 
-    def _warn_uncounted(self, plan: planner.Plan, name: Any) -> None:
-        """One warning per tag the layer emits that the plan never costed: it is
-        recomputed, and where none of the layer's tags is the plan's (a layer that names
-        its values otherwise than the model's `TransformerConfig.tags`), the layer runs
-        as full remat. JAX asks about tags one by one, so there is no point at which
-        all of them are known; the first unknown one is said at once."""
-        warned = self.__dict__.setdefault("_uncounted", set())
-        if not isinstance(name, str) or name in warned or plan.counts_tag(name):
+
+def _warn_if_uncounted(plan: planner.Plan, name: Any) -> None:
+    """One warning per tag a layer emits that `plan` does not know (`Plan.counts_tag`): it
+    is recomputed and the plan's figures leave it out; where the plan knows none of the
+    layer's tags (a layer that names its values otherwise than the model's
+    `TransformerConfig.tags`), the layer runs as full remat. JAX asks about tags one by
+    one, so there is no point at which all of a layer's are known: each unknown one is
+    said as it comes, once per process and vocabulary (every wrapped layer asks, each with
+    its own plan). Never raises:
+    it is only a warning."""
+    try:
+        vocabulary = "" if plan.config is None else plan.config.tags.vocabulary
+        cause = ("uncounted", str(name), vocabulary, *(d.tag for d in plan.decisions))
+        if not isinstance(name, str) or cause in _WARNED or plan.counts_tag(name):
             return
-        warned.add(name)
-        logger.warning(
-            "neuron_remat: the layer tags %r, which the plan did not cost (its tags: %s): "
-            "it is recomputed; if the layer names its values otherwise than the model's "
-            "tags (TransformerConfig.tags), the plan's saves match nothing and the layer "
-            "runs as full remat", name, ", ".join(d.tag for d in plan.decisions) or "none")
+        known = ", ".join(d.tag for d in plan.decisions) or "none"
+        _warn_once(cause, "neuron_remat: the layer tags %r, which the plan does not know "
+                   "(it decided on: %s): it is recomputed, and the plan's figures leave it "
+                   "out", name, known)
+    except Exception as err:  # noqa: BLE001 - a warning must not stop the trace
+        logger.debug("neuron_remat: could not check tag %r against the plan: %s", name, err)
 
 
 class _Held:

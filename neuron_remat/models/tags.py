@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass
 
@@ -56,6 +57,17 @@ class TagNames:
     kv_a_norm: str | None = "kv_a_norm"
     aliases: tuple[tuple[str, str], ...] = ()
     """(role, name): a second name the host tags the same value with; saving either keeps it."""
+    others: tuple[str, ...] = ()
+    """Names the host emits that no role models (MaxText's ``moe_x_sorted``): known, so
+    that an adapter does not warn about them, and never planned (recomputed)."""
+
+    def knows(self, tag: str) -> bool:
+        """Whether the host emits `tag` under this vocabulary: a role's name (gated or not,
+        the flash kernels' context or not), an alias or one of `others`; after any class
+        prefix where the host adds one (as the policy's patterns match it)."""
+        names = _names(self)
+        return tag in names or (self.prefixed and any(tag.endswith(n) for n in names))
+
 
     def name(self, role: str, *, gated: bool = True, flash: bool = False) -> str | None:
         if role not in _ALL_ROLES:
@@ -73,6 +85,14 @@ class TagNames:
         if name is None:
             return None
         return (".*" if self.prefixed else "") + re.escape(name)
+
+
+@functools.lru_cache(maxsize=32)
+def _names(tags: TagNames) -> frozenset[str]:
+    """Every name `tags` gives (`TagNames.knows`)."""
+    names = {getattr(tags, f.name) for f in dataclasses.fields(tags)
+             if f.name != "vocabulary" and isinstance(getattr(tags, f.name), str)}
+    return frozenset(names | {n for _, n in tags.aliases} | set(tags.others))
 
 
 AXLEARN_TAGS = TagNames()
@@ -107,6 +127,8 @@ MAXTEXT_TAGS = TagNames(
     moe_linear1_1="moe_mlpwi_1", moe_linear2="moe_mlpwo", q_a="query_wa_proj",
     q_a_norm="mla_q", kv_a="kv_wa_proj", kv_a_norm="mla_kv",
     aliases=(("moe_linear1_0", "mlpwi_0"), ("moe_linear2", "mlpwo")),
+    others=("moe_x_sorted", "moe_routing_maps", "mlpwi", "kv_proj", "qkv_proj",
+            "indexer_cutoff_threshold", "engram"),
 )
 """MaxText's names (``layers/attentions.py``, ``layers/linears.py``, ``decoders.py``): the
 attention output before the output projection is ``attention_out``; ``context`` is the
@@ -120,7 +142,9 @@ the routed value too; shared experts are a dense ``MlpBlock`` (``mlpwi_0``, ``ml
 ``mlpwo``); the router is not tagged. ``layers/attention_mla.py`` tags ``query_wa_proj``
 (the low-rank query), ``mla_q`` (after its norm), ``kv_wa_proj`` (the key-value latent with
 the RoPE key), ``mla_kv`` (the normalised latent), then ``query_proj``, ``key_proj``,
-``value_proj``, ``attention_out`` and ``out_proj``."""
+``value_proj``, ``attention_out`` and ``out_proj``. `others`: the remat keys of MaxText
+0.2.5's config that name no role here (the sorted tokens and routing maps of its sparse
+MoE path, fused projections, DeepSeek's indexer and engram)."""
 
 MAXTEXT_NEURON_TAGS = dataclasses.replace(MAXTEXT_TAGS, vocabulary="maxtext-neuron",
                                           flash_context=None)

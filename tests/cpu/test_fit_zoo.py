@@ -280,14 +280,16 @@ def test_a_tag_that_compiles_under_full_remat_is_found_when_full_remat_does_not_
 def test_flat_memory_below_full_remat_is_noticed_not_searched():
     """An unrolled stack on XLA:CPU, as a table: every set compiles within 64 KiB of full
     remat whatever it keeps. With full remat over the limit, the rescue compiles every tag
-    saved, sees that its many more kept bytes moved the figure by nearly nothing, and
-    stops there (two compiles, not one per tag), saying so; when "every tag" is the one
-    set under the limit (unrolled-gqa2's smallest size), that is the plan."""
+    saved and no remat, sees that their many more kept bytes moved the figure by nearly
+    nothing, and stops there (three compiles, not one per tag), saying so; when "every
+    tag" is the one set under the limit (unrolled-gqa2's smallest size), that is the
+    plan. (Every tag alone is not enough evidence: see
+    `test_a_workspace_drop_is_not_read_as_memory_that_ignores_the_policy`.)"""
     cands, table = _synthetic(5, seed=2, noise=0.0)
     flat = {s: table[()] + 1024 * (13 * len(s) % 64 if s is not None else 63) for s in table}
     every = next(c for c in cands if c.saved is not None)
     got, s, calls = _run(cands, flat, table[()] - MiB)
-    assert got is None and calls == [(), every.saved]
+    assert got is None and calls == [(), every.saved, None]
     assert s.stop == "memory does not follow the kept bytes" and "does not follow" in s.noticed
     flat[every.saved] = table[()] - 2 * MiB
     got, s, calls = _run(cands, flat, table[()] - MiB)
@@ -646,3 +648,27 @@ def test_zoo_is_varied():
     assert {s.split for s in specs} == {"train", "held-out"}
     np.testing.assert_equal(len({s.name for s in specs}), len(specs))
 
+
+
+@pytest.mark.parametrize("oracle", [False, True])
+def test_a_workspace_drop_is_not_read_as_memory_that_ignores_the_policy(oracle):
+    """MaxText 0.2.5's mixtral step on XLA:CPU: saving the experts' output compiles 4.1 MiB
+    under full remat (its recompute workspace is spared), so saving every tag compiles only
+    1.4 MiB over full remat though it keeps 6.5 MiB more, and `fit` took the step for one
+    whose memory ignores the policy: it refused while such sets fit. No remat, compiled,
+    grows with what it keeps. Here by hand (MiB, limit 99.5): full remat 100; a keeps 1 MiB
+    but compiles to 96; every tag 100.5 (3 MiB kept more); no remat 110 (19 MiB more).
+    Sets with a fit; a with b (or c) recomputes least among them, and with memory figures
+    the search finds it (with the oracle's smaller budget, a set that fits)."""
+    sizes, gains = {"a": 2, "b": 2, "c": 2}, {"a": 5, "b": 2, "c": 2}
+    table = {(): 100, ("a",): 96, ("b",): 101, ("c",): 101, ("a", "b"): 97, ("a", "c"): 97,
+             ("b", "c"): 102, ("a", "b", "c"): 100.5, None: 110}
+    cands, table = _by_hand(sizes, gains, table)
+    got, s, calls = _run(cands, table, int(99.5 * MiB), oracle=oracle, figures=True)
+    assert got is not None and table[got.saved] <= 99.5 * MiB, (calls, s.stop)
+    assert oracle or got.saved in (("a", "b"), ("a", "c")), (calls, s.stop)
+    assert not s.noticed
+    # the same step whose no remat compiles as flat (100.8) is still noticed
+    table[None] = int(100.8 * MiB)
+    got, s, calls = _run(cands, table, int(99.5 * MiB), oracle=oracle, figures=True)
+    assert s.noticed and got is None and None in calls, (calls, s.stop)

@@ -97,3 +97,18 @@ def test_a_ragged_dot_recomputes_a_grouped_matmuls_work():
     xla = (step_flops(ragged, jax.checkpoint_policies.save_only_these_names("in"))
            - step_flops(ragged, jax.checkpoint_policies.save_only_these_names("in", "up")))
     assert xla > 2 * saved_up, (xla, saved_up)
+
+
+def test_a_ragged_dots_gradient_counts_its_two_transposes_as_the_forward():
+    """Autodiff of ``ragged_dot`` [m, k] x [g, k, n] gives two more ragged dots (the
+    transposes: [m, k]^T x [m, n] -> [g, k, n] and [m, n] x [g, k, n]^T -> [m, k]), each
+    the forward's work, 2 m k n (each row meets one group): 6 m k n in all."""
+    from neuron_remat._jaxpr import eqn_flops
+
+    m, k, n = 16, 32, 48
+    rows = jnp.array(ROWS, jnp.int32)
+    grad = jax.grad(lambda a, b: jax.lax.ragged_dot(a, b, rows).sum(), argnums=(0, 1))
+    jaxpr = jax.make_jaxpr(grad)(jnp.ones((m, k)), jnp.ones((E, k, n))).jaxpr
+    ragged = [e for e in jaxpr.eqns if "ragged_dot" in str(e.primitive)]
+    assert len(ragged) == 3
+    assert [eqn_flops(e) for e in ragged] == [2 * m * k * n] * 3
