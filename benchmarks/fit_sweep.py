@@ -199,9 +199,12 @@ class CachedStep:
     def __init__(self, step: Callable[[], Any], row: dict[str, float],
                  counter: list[int]) -> None:
         self._step, self._row, self._counter = step, row, counter
+        self._built: Any = None
 
     def __call__(self, *args: Any) -> Any:
-        return self._step()(*args)
+        if self._built is None:
+            self._built = self._step()
+        return self._built(*args)
 
     def lower(self, *args: Any) -> _CachedLowered:
         return _CachedLowered(self._row, self._counter)
