@@ -197,7 +197,12 @@ def maxtext_report(out: Path) -> tuple[str, dict[str, Any]]:
                          "with the same --out first")
     F = importlib.import_module("neuron_remat._fit")
     name, spec = next(iter(mz.STEPS.items()))
-    step = json.loads(path.read_text())["steps"][name]
+    steps = json.loads(path.read_text())["steps"]
+    if name not in steps:
+        raise SystemExit(f"packing: --maxtext: {path} has no {name} (it has "
+                         f"{', '.join(steps) or 'no step'}); run benchmarks/maxtext_fit.py "
+                         f"--steps {name} with the same --out first")
+    step = steps[name]
     graph = F.step_graph(spec.make_step(), *spec.abstract_args())
     sets = step["sets"]
     return name, analyse(graph, step["tags"], lambda saved: sets[S._key(saved)],
