@@ -530,8 +530,7 @@ def _warn_if_uncounted(plan: planner.Plan, name: Any) -> None:
     `TransformerConfig.tags`), the layer runs as full remat. JAX asks about tags one by
     one, so there is no point at which all of a layer's are known: each unknown one is
     said as it comes, once per process and vocabulary (every wrapped layer asks, each with
-    its own plan). Never raises:
-    it is only a warning."""
+    its own plan). Never raises: it is only a warning."""
     try:
         vocabulary = "" if plan.config is None else plan.config.tags.vocabulary
         cause = ("uncounted", str(name), vocabulary, *(d.tag for d in plan.decisions))

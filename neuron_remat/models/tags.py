@@ -68,7 +68,6 @@ class TagNames:
         names = _names(self)
         return tag in names or (self.prefixed and any(tag.endswith(n) for n in names))
 
-
     def name(self, role: str, *, gated: bool = True, flash: bool = False) -> str | None:
         if role not in _ALL_ROLES:
             raise ValueError(f"unknown tag role {role!r}; valid: {', '.join(_ALL_ROLES)}")
