@@ -42,9 +42,11 @@ fi
 # MaxText 0.2.5's real training step (tests/cpu/maxtext_zoo.py) in its own environment,
 # pinned by .ci/maxtext-requirements.txt (.ci/maxtext_env.sh fails on any failed install
 # or when MaxText does not import). Its non-slow tests only (setup.cfg leaves out slow).
+# The scan tests run there too: MaxText pins JAX 0.11, whose scan equations spell their
+# operand counts as neither JAX 0.10 nor 0.12 does in every case (`scan_counts`).
 MT_DIR=.ci-venv-maxtext
 .ci/maxtext_env.sh "$MT_DIR" "$PY"
-MT_TESTS=(tests/cpu/test_maxtext_real.py)
+MT_TESTS=(tests/cpu/test_maxtext_real.py tests/cpu/test_trace_scans.py)
 rc=0
 "$MT_DIR/bin/python" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
     -rs "${MT_TESTS[@]}" | tee "$MT_DIR/pytest.log" || rc=$?  # pipefail: pytest's status

@@ -41,10 +41,10 @@ import jax
 from jax._src import ad_checkpoint as _ad_checkpoint  # private: see the module docstring
 from jax.extend import core as jex_core
 
-__all__ = ["CHECKPOINT_NAME", "REMAT_TRACED", "ClosedJaxpr", "Jaxpr", "Literal",
-           "NAME_PRIMITIVE", "Var",
+__all__ = ["CHECKPOINT_NAME", "JIT_COPIES_OPERAND_RESIDUALS", "REMAT_TRACED", "ClosedJaxpr",
+           "Jaxpr", "Literal", "NAME_PRIMITIVE", "Var",
            "distributed_state", "everything_saveable", "is_name_primitive", "name_p",
-           "nothing_saveable", "policy_class", "remat3_off", "remat3_rule_params",
+           "nothing_saveable", "policy_class", "remat3_off", "remat3_on", "remat3_rule_params",
            "save_only_these_names", "saved_residuals", "scan_counts", "shard_map"]
 
 name_p: Any = _ad_checkpoint.name_p
@@ -67,6 +67,14 @@ nothing_saveable = jax.checkpoint_policies.nothing_saveable  # public
 shard_map: Any = getattr(jax, "shard_map", None)
 
 
+# JAX < 0.9: a jit's remat partial evaluation (``pe.closed_call_partial_eval_custom_rule``)
+# returns each known operand its staged half reads as a new output of its known half: a
+# residual of its own, beside the operand itself where the backward also reads that outside
+# the jit. Later versions forward such an operand instead (``disallow_input_fwds``).
+_JAX_VERSION = tuple(int(p) for p in jax.__version__.split(".")[:2])
+JIT_COPIES_OPERAND_RESIDUALS = _JAX_VERSION < (0, 9)
+
+
 def is_name_primitive(prim: Any) -> bool:
     """Whether `prim` is the primitive ``checkpoint_name`` binds."""
     return prim is name_p or str(prim) == NAME_PRIMITIVE
@@ -83,6 +91,11 @@ def remat3_rule_params() -> list[str]:
         return list(inspect.signature(CHECKPOINT_NAME.remat).parameters)
     except (AttributeError, TypeError, ValueError):
         return []
+
+
+def remat3_on() -> bool:
+    """Whether JAX's new remat implementation is on (``jax_remat3``, JAX >= 0.10)."""
+    return bool(getattr(jax.config, "jax_remat3", False))
 
 
 def remat3_off() -> Any:
@@ -104,15 +117,22 @@ def distributed_state() -> Any:
 
 
 def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
-    """(consts, carry) leading operands of a ``scan`` equation. JAX <= 0.11 records them as
-    ``num_consts`` and ``num_carry``; JAX 0.12 records a flat tree ``ft_in`` of (consts,
-    carry, xs) instead, whose first two parts are counted (``jax._src.flattree``, private:
-    reached only through the equation's own parameter)."""
+    """(consts, carry) leading operands of a ``scan`` equation. JAX <= 0.10 records them as
+    ``num_consts`` and ``num_carry``; JAX 0.11 and 0.12 record a flat tree ``ft_in`` of
+    (consts, carry, xs) instead, whose first two parts are counted: a tuple of three flat
+    trees (``elts``), or, where JAX's scan rules rebuilt it, one pytree whose three children
+    they are (``jax._src.flattree``, private: reached only through the equation's own
+    parameter)."""
     if "num_consts" in params:
         return int(params["num_consts"]), int(params["num_carry"])
     try:
-        consts, carry = params["ft_in"].elts[:2]
-        return len(consts.vals), len(carry.vals)
+        ft = params["ft_in"]
+        elts = getattr(ft, "elts", None)
+        if elts is not None:
+            consts, carry = elts[:2]
+            return len(consts.vals), len(carry.vals)
+        consts, carry, _ = jax.tree_util.treedef_children(ft.tree)
+        return consts.num_leaves, carry.num_leaves
     except (KeyError, AttributeError, ValueError, TypeError) as err:
         raise TypeError(f"a scan equation with parameters {sorted(params)}: neither "
                         "num_consts/num_carry nor ft_in (JAX 0.7-0.12 spell them so)") from err

@@ -8,7 +8,11 @@ evaluation does: calls (``jit``, ``closed_call``, custom JVP/VJP calls, nested
 checkpoints) are inlined; ``shard_map`` bodies are inlined at their per-shard shapes (bytes
 per shard are bytes per core); a custom VJP's residuals are what its forward returns (its
 ``custom_lin`` reads them); ``scan`` bodies are inlined with their values stacked over the
-scan's length and their work times it; a ``cond`` counts its costliest branch (named in
+scan's length and their work times it, work that does not vary over the loop once (JAX
+hoists it), and each primal carry as a step of no work from its initial value and the
+body's carry out (a cycle: recomputing the carry chain walks the body once, as JAX's staged
+scan does, whether or not the layer's inputs or weights feed the differentiated carry: an
+RNN, a linear recurrence, an accumulator); a ``cond`` counts its costliest branch (named in
 `Footprint.notes`); a ``while`` whose trip count JAX cannot know is one opaque op counting
 one iteration (named), and so is a Pallas kernel (``pallas_call``: its cost estimate's
 FLOPs; named). A scatter's update function and a reduction's are part of that op. Any
@@ -17,9 +21,10 @@ other primitive holding a jaxpr is an error naming it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,11 +40,24 @@ class UnsupportedPrimitiveError(ValueError):
     """The traced program holds a jaxpr inside a primitive the graph builder does not know."""
 
 
+@dataclass(frozen=True)
+class _ScanValue(Value):
+    """A value computed inside a scan body, stacked over its length. Saved, it is a
+    residual the scan returns (JAX's ``_scan_partial_eval_custom``): no equation of the
+    forward reads it, so JAX's remat puts no ``reduce_precision`` on it (it rounds only
+    residuals the forward also uses), and saving it costs no rounding FLOPs."""
+
+    @property
+    def rounding_flops(self) -> int:
+        return 0
+
+
 def emitted_tags(fn: Callable[..., Any], args: Sequence[Any],
                  kwargs: dict[str, Any] | None = None) -> list[TagInfo]:
     """Every tag `fn` emits when differentiated, in program order, merged by name: those
-    in scan bodies (counted per iteration), custom VJP forwards and shard_map bodies (at
-    per-shard shapes) too."""
+    in scan bodies (counted per iteration, but once on work that does not vary over the
+    loop, which JAX hoists), custom VJP forwards and shard_map bodies (at per-shard shapes)
+    too."""
     return list(emitted_build(fn, args, kwargs).tags.values())
 
 
@@ -65,6 +83,21 @@ _CALLS = {"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat2", "re
           "named_call", "xla_call"}
 # Kept for callers that read it (the primitives whose bodies `_build` handles itself).
 _LOOPS = {"scan", "while", "cond"}
+# Calls whose known operands JAX < 0.9 copies into residuals of their own
+# (`jc.JIT_COPIES_OPERAND_RESIDUALS`), and calls JAX's remat recomputes whole (they have no
+# partial evaluation rule: nothing inside them is split, so no copy is made there).
+_JITS = {"pjit", "jit"}
+_WHOLE = {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+
+
+@dataclass(frozen=True)
+class _Scope:
+    """Where `_build` expands equations: inside scans of lengths `lead` (outermost first;
+    empty at the top), with `over` the values a scan slices per iteration (its ``xs``),
+    which vary over that scan though computed outside it: name -> scan depth."""
+
+    lead: tuple[int, ...] = ()
+    over: Mapping[str, int] = field(default_factory=dict)
 
 
 def _inner(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
@@ -75,27 +108,6 @@ def _inner(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
         if isinstance(j, jc.Jaxpr):
             return j, ()
     return None
-
-
-def _carry_update(body: Any, nk: int, which: Sequence[bool]) -> tuple[set[Any], list[Any]]:
-    """What a scan body's carry updates read: for the carries `which` picks, every
-    variable their update depends on, and the equations that compute it (last first)."""
-    need = {v for v, w in zip(body.outvars[:nk], which) if w and not isinstance(v, jc.Literal)}
-    eqns = []
-    for e in reversed(body.eqns):
-        if any(o in need for o in e.outvars):
-            need.update(a for a in e.invars if not isinstance(a, jc.Literal))
-            eqns.append(e)
-    return need, eqns
-
-
-def _tangent_update_reads(body: Any, nc: int, nk: int, carry_unk: Sequence[bool],
-                          ins_unk: Sequence[bool]) -> bool:
-    """Whether a scan body's unknown (tangent) carries are updated from unknown consts
-    or scanned inputs: the layer's differentiated weights or inputs feed the loop."""
-    need, _ = _carry_update(body, nk, carry_unk)
-    return any(v in need and ins_unk[i] for i, v in enumerate(body.invars)
-               if not nc <= i < nc + nk)
 
 
 def _body_flops(jaxpr: Any) -> int:
@@ -183,7 +195,10 @@ def jaxpr_graph(jaxpr: Any, *, unknown: Sequence[bool],
 
     Primitives holding jaxprs are followed as the module docstring says: calls and
     ``shard_map`` inlined (per-shard shapes), ``scan`` bodies inlined with each value
-    stacked over the length (a leading dimension) and each op's FLOPs times it, a ``cond``'s
+    stacked over the length (a leading dimension) and each op's FLOPs times it (but for
+    work that does not vary over the loop, which JAX hoists; a saved value of the body is
+    a residual the scan returns, which JAX does not round), each carry the previous
+    iteration's carry out (the tangent's too, for what the backward reads), a ``cond``'s
     costliest branch inlined, a ``while`` one opaque op counting one iteration, a
     ``pallas_call`` kernel one opaque op of its cost estimate's FLOPs, and
     ``optimization_barrier`` the identity; a scatter's or a reduction's per-element function
@@ -194,7 +209,12 @@ def jaxpr_graph(jaxpr: Any, *, unknown: Sequence[bool],
 
 
 def _build(jaxpr: Any, unknown: Sequence[bool],
-           activation: Sequence[bool] | None) -> Built:
+           activation: Sequence[bool] | None, remat3: bool = False,
+           jit_copies: bool = False) -> Built:
+    """`jaxpr_graph`'s build. `remat3`: model ``jax_remat3``'s remat, which hoists nothing
+    out of a scan and rounds every residual, a scan's too (`_ScanValue`, `level`).
+    `jit_copies`: `jaxpr` is a JVP that JAX's remat has yet to split (not a remat body it
+    already split), so on JAX < 0.9 a jit's operands are copied (`jit_operand`)."""
     if isinstance(jaxpr, jc.ClosedJaxpr):
         jaxpr = jaxpr.jaxpr
     unknown = list(unknown)
@@ -216,19 +236,25 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
     unmodelled: list[str] = []
     per_shard = [False]
     counter = [0]
+    whole = [0]  # depth inside calls JAX's remat recomputes whole (`_WHOLE`)
+    jit_copies = jit_copies and jc.JIT_COPIES_OPERAND_RESIDUALS
+    depth: dict[str, int] = {}  # a value's scan depth: how many scans' lengths stack it
 
     def fresh(aval: Any, lead: tuple[int, ...], prefix: str = "v", role: str | None = None,
-              eqn: Any = None) -> str:
+              eqn: Any = None, in_scan: bool | None = None) -> str:
         name = f"{prefix}{counter[0]}"
         counter[0] += 1
+        depth[name] = len(lead)
         dot = batch = False
         if eqn is not None and str(eqn.primitive) == "dot_general":
             dot = True
             (_, _), (lb, _) = eqn.params["dimension_numbers"]
             batch = bool(lb)
         dtype = getattr(aval, "dtype", None)
-        values[name] = Value(name, (*lead, *getattr(aval, "shape", ())), _dtype_name(dtype),
-                             role, dot=dot, batch_dot=batch, itemsize=itemsize(dtype) or 1)
+        kind = (_ScanValue if (bool(lead) if in_scan is None else in_scan) and not remat3
+                else Value)
+        values[name] = kind(name, (*lead, *getattr(aval, "shape", ())), _dtype_name(dtype),
+                            role, dot=dot, batch_dot=batch, itemsize=itemsize(dtype) or 1)
         return name
 
     def const(aval: Any) -> str:
@@ -254,9 +280,20 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
             tags[name] = TagInfo(name, info.shape, info.dtype, info.bytes + _aval_bytes(aval),
                                  max(info.count, mult))
 
+    def level(ins: Sequence[str | None], scope: _Scope) -> int:
+        """How many of the enclosing scans an equation reading `ins` varies over: the
+        deepest of its inputs. JAX hoists work that does not vary over a scan out of its
+        loop (``_scan_partial_eval``): it runs once, and a residual of it is one value,
+        not one per iteration."""
+        if remat3:  # its scan rule stacks and recomputes the whole body per iteration
+            return len(scope.lead)
+        got = [scope.over.get(n, depth.get(n, 0)) for n in ins if n is not None]
+        return min(max(got, default=0), len(scope.lead))
+
     def plain(eqn: Any, ins: list[str | None], env: dict[Any, str | None],
-              lead: tuple[int, ...], flops: int, label: str | None = None) -> None:
+              scope: _Scope, flops: int, label: str | None = None) -> None:
         prim = str(eqn.primitive)
+        lead = scope.lead[:level(ins, scope)]
         tag = tag_of(eqn)
         present = [n for n in ins if n is not None]
         is_unknown = any(n in unk for n in present)
@@ -266,7 +303,8 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
             else:
                 note_tag(tag, eqn, lead)
                 hidden.pop(tag, None)
-        outs = [fresh(ov.aval, lead, role=tag, eqn=eqn) for ov in eqn.outvars]
+        outs = [fresh(ov.aval, lead, role=tag, eqn=eqn, in_scan=bool(scope.lead))
+                for ov in eqn.outvars]
         env.update(zip(eqn.outvars, outs))
         if not outs:
             return
@@ -280,19 +318,32 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
             ops.append(Op(f"{label or prim}:{len(ops)}", tuple(dict.fromkeys(present)),
                           outs[0], flops * math.prod(lead), more_outputs=tuple(outs[1:])))
 
-    def inline(sub: Any, ins: list[str | None], lead: tuple[int, ...]) -> list[str | None]:
+    def jit_operand(name: str | None) -> str | None:
+        """JAX < 0.9: a known value entering a jit, where the jit's backward reads it, is
+        also the jit's own residual. Inside, a copy stands for it (0 FLOPs, the same tag):
+        kept when the policy saves the value, else recomputed from it."""
+        if name is None or name in unk or name in inputs or name in params:
+            return name
+        copy = f"jitcopy{counter[0]}"
+        counter[0] += 1
+        depth[copy] = depth.get(name, 0)
+        values[copy] = dataclasses.replace(values[name], name=copy, copy_of=name)
+        ops.append(Op(f"jit_operand:{len(ops)}", (name,), copy, 0))
+        return copy
+
+    def inline(sub: Any, ins: list[str | None], scope: _Scope) -> list[str | None]:
         subenv: dict[Any, str | None] = {cv: const(cv.aval) for cv in sub.constvars}
         subenv.update(zip(sub.invars, ins))
-        expand(sub, subenv, lead)
+        expand(sub, subenv, scope)
         return [read(subenv, o) for o in sub.outvars]
 
     def scan(eqn: Any, ins: list[str | None], env: dict[Any, str | None],
-             lead: tuple[int, ...]) -> None:
+             scope: _Scope) -> None:
         closed = eqn.params["jaxpr"]
         body = closed.jaxpr if isinstance(closed, jc.ClosedJaxpr) else closed
         nc, nk = jc.scan_counts(eqn.params)
         length = int(eqn.params["length"])
-        inner_lead = (*lead, length)
+        inner_lead = (*scope.lead[:level(ins, scope)], length)
         is_unk = [n is not None and n in unk for n in ins]
         carry_unk = is_unk[nc:nc + nk]
         while True:  # a carry is unknown when its update is (JAX's fixpoint)
@@ -301,29 +352,17 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
             if new == carry_unk:
                 break
             carry_unk = new
-        # A known carry the backward reads is not stacked: JAX's staged scan recomputes
-        # the carry chain from its initial value (the carry update is no saveable name).
-        # So each iteration's carry is a value recomputed from the initial carry and what
-        # the update reads, at the update's work times the length.
-        # Only the known carries: an unknown (tangent) carry's update is the backward's.
-        need, chain_eqns = _carry_update(body, nk, [not u for u in carry_unk])
-        chain = sum(eqn_flops(e) + sum(eqn_flops(s) * m for sub, mm in _sub_jaxprs(e)
-                                       for s, m in _walk(sub, mm)) for e in chain_eqns)
-        update_reads = [n for i, (v, n) in enumerate(zip(body.invars, ins))
-                        if v in need and not nc <= i < nc + nk and n is not None]
-        if _tangent_update_reads(body, nc, nk, carry_unk, [n in unk for n in ins]):
-            # The tangent carry is updated from the layer's differentiated weights or
-            # inputs (an RNN, a loop of sub-blocks, an accumulator of the input): JAX keeps
-            # the iterations' values its policy saves, stacked, which this graph does not
-            # model. The tags are still read (`emitted_tags`).
-            unmodelled.append(
-                f"a scan of length {length} inside the layer carries a differentiated value "
-                "updated from the layer's inputs or weights: its per-iteration residuals are "
-                "not modelled; audit(layer, *args, policy=...) reports what JAX keeps under "
-                "a given policy, or plan the scanned block as the layer")
+        # A known carry is not stacked: JAX's staged scan carries it again, from its initial
+        # value, so each iteration's carry in is the previous iteration's carry out (the
+        # value the body returns), a step of no work. The op making the stacked carry in
+        # reads the initial carry and the stacked carry out, which the inlined body computes
+        # from the carry in: a cycle, which recomputing walks once, so the update's ops are
+        # recomputed once at their work times the length (as the staged scan does), and not
+        # at all when the carry out is a saved name (a residual, stacked).
         body_ins: list[str | None] = list(ins[:nc])
-        first = True
-        for v, u, init in zip(body.invars[nc:nc + nk], carry_unk, ins[nc:nc + nk]):
+        known: list[tuple[int, str, str | None]] = []  # (carry index, carry in, initial)
+        for i, (v, u, init) in enumerate(zip(body.invars[nc:nc + nk], carry_unk,
+                                             ins[nc:nc + nk])):
             if u:
                 name = f"dc{counter[0]}"
                 counter[0] += 1
@@ -332,17 +371,21 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
                     staged.append(([init], [], [name]))
             else:
                 name = fresh(v.aval, inner_lead, "carry")
-                srcs = ((init,) if init is not None else ()) + tuple(update_reads)
-                ops.append(Op(f"scan_carry:{len(ops)}", tuple(dict.fromkeys(srcs)), name,
-                              chain * math.prod(inner_lead) if first else 0))
-                first = False
+                known.append((i, name, init))
             body_ins.append(name)
         body_ins.extend(ins[nc + nk:])
-        outs_named = inline(body, body_ins, inner_lead)
+        over = {**scope.over, **{n: len(inner_lead) for n in ins[nc + nk:] if n is not None}}
+        outs_named = inline(body, body_ins, _Scope(inner_lead, over))
+        for v, name, out in zip(carry_unk, body_ins[nc:nc + nk], outs_named[:nk]):
+            if v and out is not None and out in unk:  # the next iteration's tangent carry
+                staged.append(([out], [], [name]))
+        for i, name, init in known:
+            srcs = tuple(n for n in (init, outs_named[i]) if n is not None and n != name)
+            ops.append(Op(f"scan_carry:{len(ops)}", tuple(dict.fromkeys(srcs)), name, 0))
         env.update(zip(eqn.outvars, outs_named))
 
     def cond(eqn: Any, ins: list[str | None], env: dict[Any, str | None],
-             lead: tuple[int, ...]) -> None:
+             scope: _Scope) -> None:
         branches = eqn.params["branches"]
         costs = [_body_flops(b.jaxpr) for b in branches]
         chosen = max(range(len(branches)), key=lambda i: (costs[i], i))
@@ -359,11 +402,11 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
         sub_ins = ins[1:]
         subenv: dict[Any, str | None] = {cv: const(cv.aval) for cv in b.jaxpr.constvars}
         subenv.update(zip(b.jaxpr.invars, sub_ins))
-        expand(b.jaxpr, subenv, lead)
+        expand(b.jaxpr, subenv, scope)
         env.update(zip(eqn.outvars, (read(subenv, o) for o in b.jaxpr.outvars)))
 
     def while_loop(eqn: Any, ins: list[str | None], env: dict[Any, str | None],
-                   lead: tuple[int, ...]) -> None:
+                   scope: _Scope) -> None:
         body, cond_j = eqn.params["body_jaxpr"], eqn.params["cond_jaxpr"]
         if any(n is not None and n in unk for n in ins):
             raise UnsupportedPrimitiveError(
@@ -375,15 +418,15 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
         hide(cond_j.jaxpr, "inside a while_loop's condition")
         notes.append("a while_loop with an unknown trip count: one opaque op whose work "
                      "counts one iteration")
-        plain(eqn, ins, env, lead, _body_flops(body.jaxpr) + _body_flops(cond_j.jaxpr),
+        plain(eqn, ins, env, scope, _body_flops(body.jaxpr) + _body_flops(cond_j.jaxpr),
               "while(trip count unknown, one iteration counted)")
 
-    def expand(jx: Any, env: dict[Any, str | None], lead: tuple[int, ...]) -> None:
+    def expand(jx: Any, env: dict[Any, str | None], scope: _Scope) -> None:
         for eqn in jx.eqns:
             ins = [read(env, a) for a in eqn.invars]
             prim = str(eqn.primitive)
             if tag_of(eqn) is not None:
-                plain(eqn, ins, env, lead, eqn_flops(eqn))
+                plain(eqn, ins, env, scope, eqn_flops(eqn))
             elif prim in _CALLS and _inner(eqn) is not None:
                 sub, _ = _inner(eqn)  # type: ignore[misc]
                 if len(sub.invars) != len(ins) or len(sub.outvars) != len(eqn.outvars):
@@ -398,13 +441,17 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
                             "(per core)")
                     if note not in notes:
                         notes.append(note)
-                env.update(zip(eqn.outvars, inline(sub, ins, lead)))
+                if prim in _JITS and jit_copies and not whole[0]:
+                    ins = [jit_operand(n) for n in ins]
+                whole[0] += prim in _WHOLE
+                env.update(zip(eqn.outvars, inline(sub, ins, scope)))
+                whole[0] -= prim in _WHOLE
             elif prim == "scan":
-                scan(eqn, ins, env, lead)
+                scan(eqn, ins, env, scope)
             elif prim == "cond":
-                cond(eqn, ins, env, lead)
+                cond(eqn, ins, env, scope)
             elif prim == "while":
-                while_loop(eqn, ins, env, lead)
+                while_loop(eqn, ins, env, scope)
             elif prim == "optimization_barrier":
                 env.update(zip(eqn.outvars, ins))
             elif prim in _KERNELS:
@@ -412,7 +459,7 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
                         "where it gives none)")
                 if note not in notes:
                     notes.append(note)
-                plain(eqn, ins, env, lead, eqn_flops(eqn))
+                plain(eqn, ins, env, scope, eqn_flops(eqn))
             elif any(True for _ in _sub_jaxprs(eqn)):
                 raise UnsupportedPrimitiveError(
                     f"the traced program holds a jaxpr inside a {prim!r} equation, which "
@@ -420,7 +467,7 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
                     "would be missed. Please report it (primitives followed: "
                     f"{sorted(_CALLS | _LOOPS)})")
             else:
-                plain(eqn, ins, env, lead, eqn_flops(eqn))
+                plain(eqn, ins, env, scope, eqn_flops(eqn))
 
     env: dict[Any, str | None] = {cv: const(cv.aval) for cv in jaxpr.constvars}
     for i, (v, u, a) in enumerate(zip(jaxpr.invars, unknown, acts)):
@@ -431,14 +478,19 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
             name = fresh(v.aval, (), "in")
             (inputs if a else params).append(name)
         env[v] = name
-    expand(jaxpr, env, ())
+    expand(jaxpr, env, _Scope())
 
     live = {n for n in (read(env, o) for o in jaxpr.outvars) if n is not None and n in unk}
     reads: list[str] = []
-    for u_in, k_in, outs in reversed(staged):
-        if live.intersection(outs):
-            live.update(u_in)
-            reads.extend(reversed(k_in))
+    while True:  # again while a scan's tangent carry makes more live (its cycle)
+        before = len(live)
+        reads = []
+        for u_in, k_in, outs in reversed(staged):
+            if live.intersection(outs):
+                live.update(u_in)
+                reads.extend(reversed(k_in))
+        if len(live) == before:
+            break
     reads = list(dict.fromkeys(reversed(reads)))
     outs = [n for n in (read(env, o) for o in jaxpr.outvars) if n is not None and n not in unk]
     outs = list(dict.fromkeys(outs))
@@ -455,7 +507,8 @@ def _traced(call: Call, acts: Sequence[int]) -> Built:
     n, m = len(diff), sum(diff)
     chosen = set(acts)
     return _build(closed, [False] * n + [True] * m,
-                  [nums[i] in chosen for i in range(n)] + [False] * m)
+                  [nums[i] in chosen for i in range(n)] + [False] * m,
+                  remat3=jc.remat3_on(), jit_copies=True)
 
 
 def traced_graph(fn: Callable[..., Any], args: Sequence[Any],
@@ -477,7 +530,9 @@ def traced_footprint(fn: Callable[..., Any], *args: Any,
     ``footprint.evaluate(saved_tags)`` is exact jointly for any subset: the bytes JAX keeps
     (as ``saved_residuals`` reports them, parameters excluded; a shard_map's values per
     shard, i.e. per core) and the recompute FLOPs (as XLA's cost analysis counts them, a
-    scan's body times its length). Per-tag figures (`TagCost`) are each tag alone;
+    scan's body times its length, its work that does not vary over the loop once; with
+    ``jax_remat3`` on when this is called, as JAX's new remat runs: nothing hoisted out of
+    a scan, every residual rounded). Per-tag figures (`TagCost`) are each tag alone;
     `Footprint.groups` lists tags that only pay off together (three slices of one fused
     matmul). ``footprint.notes`` names what the graph approximates (the cond branch
     counted, a while loop's unknown trip count); a tag JAX emits that no graph value
@@ -496,7 +551,7 @@ def traced_footprint(fn: Callable[..., Any], *args: Any,
     graph = built.checked()
     order: dict[str, list[Value]] = {}
     for v in graph.values.values():
-        if v.role is not None:
+        if v.role is not None and v.copy_of is None:
             order.setdefault(v.role, []).append(v)
     missing_tags = [t for t in built.tags if t not in order and t not in built.hidden]
     if missing_tags:  # a bug of ours, not the user's: say so

@@ -37,6 +37,9 @@ class Value:
     batch_dot: bool = False  # ... with batch dimensions (dots_with_no_batch_dims skips it)
     extra_bytes: int = 0  # stored with it under the same tag (flash attention's lse)
     itemsize: int = 0  # bytes per element when `dtype` is not a float type `models` knows
+    # The value a jit's own residual copies (JAX < 0.9, `_trace`): saved when it is, never
+    # rounded (nothing in the forward reads it), and without remat the value itself is kept.
+    copy_of: str | None = None
 
     @property
     def bytes(self) -> int:
@@ -52,6 +55,8 @@ class Value:
     @property
     def rounding_flops(self) -> int:
         """XLA's count for a ``reduce_precision`` of it (floating dtypes only)."""
+        if self.copy_of is not None:
+            return 0
         return math.prod(self.shape) if self.dtype.startswith(("float", "bfloat")) else 0
 
 
@@ -226,7 +231,8 @@ class LayerGraph:
         """Bytes one layer keeps with no ``jax.checkpoint``: every value and internal
         intermediate its backward reads (the reference implementation's, under JAX 0.10)."""
         params = set(self.params)
-        return (sum(self.values[v].bytes for v in self.needed() if v not in params)
+        needed = dict.fromkeys(self.values[v].copy_of or v for v in self.needed())
+        return (sum(self.values[v].bytes for v in needed if v not in params)
                 + sum(b for op in self.ops for _, b in op.internal))
 
     def role_values(self) -> dict[str, Value]:

@@ -497,7 +497,7 @@ def _joined(patterns: tuple[str, ...]) -> str | None:
 def active_remat() -> str:
     """``"remat3"`` when JAX's new remat implementation is on (``jax_remat3``, JAX >= 0.10),
     else ``"remat2"`` (``jax.checkpoint``'s original implementation)."""
-    return "remat3" if getattr(jax.config, "jax_remat3", False) else "remat2"
+    return "remat3" if _jax_compat.remat3_on() else "remat2"
 
 
 _WARNED: set[tuple[str, str]] = set()

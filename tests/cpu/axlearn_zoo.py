@@ -283,3 +283,104 @@ STEPS: dict[str, AxlearnSpec] = {s.name: s for s in [
 embedding included: ``rotate_half``'s strided slices, attention.py 1337-1338, are gathers on
 JAX 0.8.3, so the layer's backward holds scatter-adds); ``axlearn-fuji-norope`` drops
 ``RoFormerQKVLinear``, a structurally different attention."""
+
+
+# --------------------------------------------------------------------------------------
+# axlearn's mixture-of-experts feed-forward inside its TransformerLayer (one layer).
+# --------------------------------------------------------------------------------------
+
+MOE_SIZES: dict[str, Any] = dict(SIZES, num_experts=4, experts_per_token=2, num_groups=2,
+                                 capacity_factor=2.0)
+"""`SIZES` with a mixture of 4 experts, top-2 routing, 2 dispatch groups and capacity factor
+2: 2 x 128 = 256 tokens, so 128 tokens a group and an expert capacity of 128 x 2 / 4 = 64
+(``_compute_expert_capacity``, mixture_of_experts.py 224). 4 experts and top-2 as axlearn's
+MoE layer tests (``mixture_of_experts_test.py`` 847-855: ``num_experts=4``,
+``TopKGating...set(num_experts_per_token=2)``, SwiGLU); 2 groups and capacity factor 2.0 as
+every size of axlearn's MoE experiment, Envy (``axlearn/experiments/text/gpt/envy.py``
+148-150, 172-173, 266-267, 348-349). Each expert's SwiGLU hidden dim is the dense layer's
+(`SIZES`' ``ffn_dim``): common.py's ``model_config`` gives the MoE ``ffn_dim`` when no
+``moe_ffn_dim`` is set (common.py 282-283)."""
+
+MOE_GATINGS = ("TopKGating", "Top2Gating")
+"""The routers: axlearn's ``TopKGating`` (top-k with ``jax.lax.top_k``; it tags its outputs
+``TopKGating.gate_weights`` and ``TopKGating.gate_assignment``, mixture_of_experts.py
+801-802) and ``Top2Gating`` (the ``TransformerFeedForwardMoE.Config`` default, 1485, which
+Envy keeps, envy.py 472-479; it tags nothing)."""
+
+
+def moe_layer_config(sizes: dict[str, Any], gating: str, policy: Any = None) -> Any:
+    """axlearn's ``TransformerLayer`` as Fuji's stack holds it (`model_config`: RMSNorm,
+    causal GQA 4:2 through ``FusedGroupedQKVLinear`` inside ``RoFormerQKVLinear``, no
+    biases) with its feed-forward a ``TransformerFeedForwardMoE``, set as common.py's
+    ``model_config`` sets a "sparse" layer (``config_sparse``, common.py 312-318: the
+    ``expert_cfg``, then ``activation``, ``hidden_dim`` and ``structure``) from Envy's
+    ``expert_config`` (envy.py 472-479). With `policy`, the layer's ``RematSpec`` holds it
+    (``BaseLayer._maybe_wrap_with_remat`` then wraps ``TransformerLayer.forward`` in
+    ``jax.checkpoint``, base_layer.py 585-589; ``prevent_cse=False``, what
+    ``build_remat_spec`` gives Envy's ``RepeatedTransformerLayer`` stack, attention.py 4649);
+    without, no remat."""
+    from axlearn.common.base_layer import RematSpec  # noqa: PLC0415
+    from axlearn.common.config import config_for_function  # noqa: PLC0415
+    from axlearn.common.layers import RMSNorm, set_bias_recursively, set_norm_recursively  # noqa: PLC0415
+    from axlearn.common.mixture_of_experts import (  # noqa: PLC0415
+        TopKGating,
+        TransformerFeedForwardMoE,
+    )
+
+    import jax  # noqa: PLC0415
+
+    if gating not in MOE_GATINGS:
+        raise ValueError(f"gating {gating!r} is not one of {MOE_GATINGS}")
+    s = sizes
+    layer_cfg = model_config(s, jax.checkpoint_policies.nothing_saveable, prevent_cse=False,
+                             rope=True).decoder.transformer.layer.clone()
+    # envy.py 467-479: outer_batch from the mesh's data x fsdp axes (get_outer_batch_from_
+    # mesh, mixture_of_experts.py 261-305): 1 on one device; the partition specs are left
+    # at the class defaults, as maybe_shard does nothing on one device (utils.py 674-678).
+    expert_cfg = TransformerFeedForwardMoE.default_config().set(
+        outer_batch=1, num_experts=s["num_experts"], input_dim=s["hidden_dim"],
+        num_groups=s["num_groups"])
+    if gating == "TopKGating":  # mixture_of_experts_test.py 854
+        expert_cfg.gating = TopKGating.default_config().set(
+            num_experts_per_token=s["experts_per_token"])
+    elif s["experts_per_token"] != 2:
+        raise ValueError("Top2Gating routes each token to 2 experts")
+    expert_cfg.gating.train_capacity_factor = s["capacity_factor"]  # envy.py 479
+    # common.py 312-318 (config_sparse), with Envy's SwiGLU (envy.py 491) and prenorm.
+    layer_cfg.feed_forward = expert_cfg
+    layer_cfg.feed_forward.activation = ("nn.silu", "linear")
+    layer_cfg.feed_forward.hidden_dim = s["ffn_dim"]
+    layer_cfg.feed_forward.structure = "prenorm"
+    # common.py 378-379 (and envy.py 454's norm): over the whole model, so over the MoE too.
+    set_bias_recursively(layer_cfg, False)
+    set_norm_recursively(layer_cfg, RMSNorm.default_config().set(eps=1e-5, forward_dtype=None))
+    layer_cfg.remat_spec = None if policy is None else RematSpec(
+        prevent_cse=False, policy=config_for_function(_policy_fn).set(policy=policy))
+    return layer_cfg.set(name="layer", input_dim=s["hidden_dim"])
+
+
+def moe_layer(gating: str, policy: Any = None,
+              sizes: dict[str, Any] | None = None) -> tuple[Callable[..., Any], Any, Any]:
+    """(layer function of (params, x), bfloat16 parameters, bfloat16 input) of
+    `moe_layer_config`'s layer: axlearn's module called under ``functional`` in training
+    mode, its output tensor returned. Parameters are axlearn's initialisation
+    (``PRNGKey(0)``) cast to bfloat16 as ``SpmdTrainer``'s ``train_cast`` casts them
+    (trainer.py 1286-1288); the input is normal noise, so that tokens spread over the
+    experts (the kept bytes do not depend on the values)."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from axlearn.common.module import functional  # noqa: PLC0415
+
+    s = MOE_SIZES if sizes is None else sizes
+    layer = moe_layer_config(s, gating, policy).instantiate(parent=None)
+    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16),
+                          layer.initialize_parameters_recursively(jax.random.PRNGKey(0)))
+    x = jax.random.normal(jax.random.PRNGKey(2), (s["batch"], s["seq"], s["hidden_dim"]),
+                          jnp.bfloat16)
+
+    def fn(params: Any, x: Any) -> Any:
+        out, _ = functional(layer, prng_key=jax.random.PRNGKey(1), state=params,
+                            inputs=dict(data=x), is_training=True)
+        return out.data
+
+    return fn, params, x

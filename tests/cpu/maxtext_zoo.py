@@ -146,6 +146,10 @@ class MaxTextSpec:
     layer: tuple[str, str] = ("llama2", "LlamaDecoderLayer")
     """The decoder layer class of `config`'s ``decoder_block``: (module of
     ``maxtext.models``, class), as ``NNXDecoder.get_decoder_layers`` picks it."""
+    layer_kwargs: tuple[tuple[str, Any], ...] = ()
+    """More arguments of the layer's constructor (Qwen3-Next's ``layer_idx``, which picks
+    its attention: linear, a gated delta net, but for every
+    ``inhomogeneous_layer_cycle_interval``-th layer)."""
 
     # ---- MaxText's pieces --------------------------------------------------------------
 
@@ -194,7 +198,7 @@ class MaxTextSpec:
         mesh = self._built(_overrides_of(None))[2]
         with _in_mesh(mesh, config.logical_axis_rules):
             layer = cls(config=config, model_mode="train", mesh=mesh, rngs=nnx.Rngs(0),
-                        **quant)
+                        **quant, **dict(self.layer_kwargs))
         graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
         b, s = config.micro_batch_size_to_train_on, config.max_target_length
         x = jax.random.normal(jax.random.PRNGKey(1), (b, s, config.emb_dim)).astype(
@@ -273,6 +277,15 @@ MLA: dict[str, Any] = dict(attention_type="mla", q_lora_rank=0, kv_lora_rank=64,
 """DeepSeek's multi-head latent attention (MLA needs as many KV heads as query heads) and
 one shared expert beside the routed ones, every layer MoE."""
 
+QWEN3_NEXT: dict[str, Any] = dict(
+    shared_experts=1, inhomogeneous_layer_cycle_interval=4, gdn_conv_kernel_dim=4,
+    gdn_key_head_dim=32, gdn_value_head_dim=32, gdn_num_key_heads=2, gdn_num_value_heads=4,
+    gdn_chunk_size=32)
+"""Qwen3-Next's hybrid stack, tiny: every 4th layer full attention, the others linear
+attention by a gated delta net (2 key heads and 4 value heads of 32, a causal convolution
+of width 4, chunks of 32 tokens: ``lax.scan`` over the chunks with the recurrent state as
+its differentiated carry), a routed MoE with one shared expert."""
+
 STEPS: dict[str, MaxTextSpec] = {s.name: s for s in [
     MaxTextSpec(
         "maxtext-llama2", CONFIG,
@@ -298,9 +311,13 @@ LAYERS: dict[str, MaxTextSpec] = {s.name: s for s in [
                 layer=("mixtral", "MixtralDecoderLayer")),
     MaxTextSpec("maxtext-deepseek", {**CONFIG, "decoder_block": "deepseek", **MOE, **MLA},
                 layer=("deepseek", "DeepSeekMoELayer")),
+    MaxTextSpec("maxtext-qwen3-next", {**CONFIG, "decoder_block": "qwen3_next", **MOE,
+                                       **QWEN3_NEXT},
+                layer=("qwen3", "Qwen3NextDecoderLayer"), layer_kwargs=(("layer_idx", 0),)),
 ]}
 """MaxText decoder layers whose traced footprint is held to JAX's residuals: llama2's;
 gemma2's (a local and a global attention sublayer, soft-capped logits); mixtral's MoE on
 MaxText's sparse path and on its dense one (``sparse_matmul=False``: every expert on
 every token, weighted by the router); DeepSeek's MoE layer with MLA and a shared
-expert."""
+expert; Qwen3-Next's linear-attention layer (a gated delta net: a scan with a
+differentiated carry inside the layer) with its MoE."""

@@ -5,9 +5,10 @@ Skipped unless MaxText 0.2.5 imports (Python >= 3.12: build the environment with
 tests/cpu/test_maxtext_real.py``). MaxText's step is held out: nothing in `fit` was tuned
 on it.
 
-* the traced footprint of five of MaxText's decoder layers (`maxtext_zoo.LAYERS`: llama2,
-  gemma2, mixtral's MoE on the sparse and the dense path, DeepSeek's MoE with MLA; bfloat16
-  activations): every tag in JAX's own VJP jaxpr of the layer is in the footprint, with
+* the traced footprint of six of MaxText's decoder layers (`maxtext_zoo.LAYERS`: llama2,
+  gemma2, mixtral's MoE on the sparse and the dense path, DeepSeek's MoE with MLA,
+  Qwen3-Next's gated delta net, a chunked scan with a differentiated state carry, with its
+  MoE; bfloat16 activations): every tag in JAX's own VJP jaxpr of the layer is in the footprint, with
   bytes where JAX saves it, and the kept bytes equal ``saved_residuals``'s on every tag
   alone and 10 or more other save sets;
 * `fit` on MaxText's ``train_step`` at HBM sizes between full remat and no remat: the
@@ -56,10 +57,13 @@ EMITS = {
                               "moe_mlpwo"},
     "maxtext-deepseek": {"kv_wa_proj", "mla_kv", "moe_x_sorted", "moe_mlpwi_0",
                          "moe_mlpwi_1", "moe_mlpwo"},
+    "maxtext-qwen3-next": {"moe_x_sorted", "moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo",
+                           "mlpwi_0", "mlpwi_1", "mlpwo"},
 }
 """Tags each layer emits in MaxText 0.2.5's source (``checkpoint_name`` calls in
 ``layers/attentions.py``, ``layers/attention_mla.py``, ``layers/linears.py`` and
-``layers/moe.py``): what the tests below check is not vacuous."""
+``layers/moe.py``; Qwen3-Next's gated delta net names nothing, its MoE and shared expert
+do): what the tests below check is not vacuous."""
 
 
 @pytest.fixture(scope="module", params=sorted(mz.LAYERS))

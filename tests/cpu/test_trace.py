@@ -121,6 +121,31 @@ def test_kept_bytes_equal_jax_residuals_for_every_tag_set(variant, order):
     assert fp.no_remat_bytes == pytest.approx(_activation_bytes(fn, args, act), abs=16)
 
 
+def _router(w, x):
+    """A top-2 router in the shape of axlearn's ``TopKGating`` (mixture_of_experts.py
+    941-1006 at 34aed43c): the chosen experts' indices are tagged, then read by a jit
+    (``jnp.take_along_axis`` is one) and, outside it, by a dispatch mask."""
+    gates = jax.nn.softmax(x @ w, axis=-1)
+    idx = checkpoint_name(jax.lax.top_k(gates, 2)[1], "idx")
+    picked = jax.jit(lambda g, i: jnp.take_along_axis(g, i, axis=-1))(gates, idx)
+    mask = jnp.sum(idx[..., None] == jnp.arange(gates.shape[-1]), axis=-2)
+    spread = jnp.sum(mask.astype(gates.dtype) * gates, axis=-1, keepdims=True)
+    return x + jnp.sum(picked, axis=-1, keepdims=True) + spread
+
+
+def test_a_value_a_jit_and_the_code_around_it_read_is_kept_as_jax_keeps_it():
+    """JAX before 0.9 keeps such a value twice when saved: under its name, and as the
+    jit's own residual (the jit's known half returns the operand its staged half reads;
+    later versions forward it). The footprint keeps what the running JAX keeps."""
+    w, x = jnp.ones((8, 4)) / 8, jnp.arange(128 * 8, dtype=jnp.float32).reshape(128, 8) / 1e3
+    fp = nr.traced_footprint(_router, w, x, activation_argnums=1)
+    assert set(fp) == {"idx"}
+    for subset in _subsets(list(fp)):
+        policy = checkpoint_policies.save_only_these_names(*subset)
+        want = _activation_bytes(jax.checkpoint(_router, policy=policy), (w, x), 1)
+        assert fp.evaluate(subset)[0] == want, subset
+
+
 def test_fast_evaluation_equals_the_traversal_on_every_tag_set():
     graphs = [mm.layer_graph(CFG, models.StepShape(seq_len=SEQ, micro_batch=2)),
               mm.layer_graph(models.TransformerConfig(
