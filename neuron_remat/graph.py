@@ -37,8 +37,9 @@ class Value:
     batch_dot: bool = False  # ... with batch dimensions (dots_with_no_batch_dims skips it)
     extra_bytes: int = 0  # stored with it under the same tag (flash attention's lse)
     itemsize: int = 0  # bytes per element when `dtype` is not a float type `models` knows
-    # The value a jit's own residual copies (JAX < 0.9, `_trace`): saved when it is, never
-    # rounded (nothing in the forward reads it), and without remat the value itself is kept.
+    # The value a jit's own residual copies (JAX < 0.9, `_trace`): saved when it is; its
+    # rounding is the value's (one reduce_precision, counted once however many of the two
+    # are kept), and without remat the value itself is kept.
     copy_of: str | None = None
 
     @property
@@ -55,8 +56,6 @@ class Value:
     @property
     def rounding_flops(self) -> int:
         """XLA's count for a ``reduce_precision`` of it (floating dtypes only)."""
-        if self.copy_of is not None:
-            return 0
         return math.prod(self.shape) if self.dtype.startswith(("float", "bfloat")) else 0
 
 
@@ -201,8 +200,9 @@ class LayerGraph:
         if self.moved:  # see the class docstring
             forward = self.ancestors(v for v in kept if v not in held)
             flops -= sum(self._by_name[o].flops for o in self.moved - forward)
-        if self.round_saved:
-            flops += sum(self.values[v].rounding_flops for v in kept if v not in held)
+        if self.round_saved:  # one rounding per value, a jit's copy of it (`copy_of`) too
+            rounded = dict.fromkeys(self.values[v].copy_of or v for v in kept if v not in held)
+            flops += sum(self.values[v].rounding_flops for v in rounded)
         order = [o.name for o in self.ops]
         return Evaluation(kept_bytes, flops,
                           tuple(v for v in self.values if v in kept and v not in params),
@@ -277,6 +277,8 @@ class Closures:
     moved_flops: int  # `LayerGraph.moved`: FLOPs not extra unless a kept value needs them
     moved_atoms: tuple[tuple[int, int], ...]  # (mask of tagged values computed from, FLOPs)
     memo: dict[int, tuple[int, int, int]]  # saved mask -> (bytes, flops, segment mask)
+    copy_atoms: tuple[tuple[int, int], ...] = ()  # (mask of a value and its jit copy, the
+    # rounding counted twice when both are kept: `Value.copy_of`)
 
     @classmethod
     def of(cls, graph: LayerGraph) -> Closures:
@@ -342,12 +344,16 @@ class Closures:
         moved_atoms: dict[int, int] = {}
         for o, sig in moved_sig.items():
             moved_atoms[sig] = moved_atoms.get(sig, 0) + graph._by_name[o].flops
+        copy_atoms = tuple(
+            ((1 << i) | (1 << index[v.copy_of]), v.rounding_flops)
+            for n, i in index.items() for v in [graph.values[n]]
+            if graph.round_saved and v.copy_of in index and v.rounding_flops)
         return cls(tagged, role_masks, tuple(segments),
                    tuple(graph.values[n].bytes for n in tagged),
                    tuple(graph.values[n].rounding_flops if graph.round_saved else 0
                          for n in tagged),
                    tuple(op_atoms.items()), tuple(held_atoms.items()),
-                   sum(moved_atoms.values()), tuple(moved_atoms.items()), {})
+                   sum(moved_atoms.values()), tuple(moved_atoms.items()), {}, copy_atoms)
 
     def mask(self, roles: Iterable[str]) -> int:
         out = 0
@@ -376,6 +382,7 @@ class Closures:
         if self.moved_flops:
             flops -= self.moved_flops - sum(f for sig, f in self.moved_atoms if sig & kept)
         flops += sum(self.tag_flops[i] for i in _bits(kept))
+        flops -= sum(f for both, f in self.copy_atoms if kept & both == both)
         out = (nbytes, flops, segs)
         if len(self.memo) < MEMO_LIMIT:
             self.memo[saved] = out

@@ -146,6 +146,41 @@ def test_a_value_a_jit_and_the_code_around_it_read_is_kept_as_jax_keeps_it():
         assert fp.evaluate(subset)[0] == want, subset
 
 
+def _read_in_and_around_a_jit(x, w):
+    """A float value (``t``) read by a jit's backward (the jitted sin's derivative) and by
+    the backward outside it; beside it one read outside any jit (``u``)."""
+    t = checkpoint_name(x @ w, "t")
+    u = checkpoint_name(jnp.tanh(x @ w.T), "u")
+    return jnp.tanh((jax.jit(jnp.sin)(t) + jnp.sin(t) + u) @ w.T)
+
+
+def test_a_value_a_jit_and_the_code_around_it_read_costs_what_jax_and_xla_count():
+    """The same on a float value: on JAX < 0.9 its jit's copy is kept too, but rounded once
+    (one ``reduce_precision``), so XLA's recompute FLOPs (a training step over a scan of two
+    layers, less the same without remat) equal the footprint's on every subset."""
+    x, w = jnp.ones((16, 16)), jnp.ones((16, 16)) / 16
+    fp = nr.traced_footprint(_read_in_and_around_a_jit, x, w, activation_argnums=0)
+
+    def step_flops(policy):
+        f = _read_in_and_around_a_jit
+        f = f if policy is None else jax.checkpoint(f, policy=policy)
+
+        def loss(x, ws):
+            return jax.lax.scan(lambda h, w: (f(h, w), None), x, ws)[0].sum()
+
+        cost = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, jnp.stack([w, w])).cost_analysis()
+        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+    base = step_flops(None)
+    for subset in _subsets(["t", "u"]):
+        policy = checkpoint_policies.save_only_these_names(*subset)
+        want = _activation_bytes(jax.checkpoint(_read_in_and_around_a_jit, policy=policy),
+                                 (x, w), 0)
+        assert fp.evaluate(subset) == (want, step_flops(policy) - base), subset
+        plain = fp.graph.evaluate_roles(subset)
+        assert (plain.kept_bytes, plain.recompute_flops) == fp.evaluate(subset), subset
+
+
 def test_fast_evaluation_equals_the_traversal_on_every_tag_set():
     graphs = [mm.layer_graph(CFG, models.StepShape(seq_len=SEQ, micro_batch=2)),
               mm.layer_graph(models.TransformerConfig(
