@@ -591,7 +591,8 @@ def op_kind(op: Op, graph: LayerGraph) -> str:
     if value is not None and value.dot:
         return "matmul"
     prim = op.name.split(":", 1)[0]
-    if prim in ("ragged_dot_general", "ragged_dot"):  # a grouped matmul (not a dot to dots_saveable)
+    # a grouped matmul (not a dot to dots_saveable)
+    if prim in ("ragged_dot_general", "ragged_dot"):
         return "matmul"
     if prim in _TRANSCENDENTAL:
         return "transcendental"

@@ -96,7 +96,11 @@ def model_config(sizes: dict[str, Any], policy: Any, prevent_cse: bool,
     from axlearn.common.decoder import Decoder, LmHead  # noqa: PLC0415
     from axlearn.common.embedding import TransformerTextEmbeddings  # noqa: PLC0415
     from axlearn.common.flash_attention.layer import FlashAttention  # noqa: PLC0415
-    from axlearn.common.layers import RMSNorm, set_bias_recursively, set_norm_recursively  # noqa: PLC0415
+    from axlearn.common.layers import (  # noqa: PLC0415
+        RMSNorm,
+        set_bias_recursively,
+        set_norm_recursively,
+    )
     from axlearn.common.param_init import (  # noqa: PLC0415
         PARAM_REGEXP_WEIGHT,
         DefaultInitializer,
@@ -321,7 +325,11 @@ def moe_layer_config(sizes: dict[str, Any], gating: str, policy: Any = None) -> 
     without, no remat."""
     from axlearn.common.base_layer import RematSpec  # noqa: PLC0415
     from axlearn.common.config import config_for_function  # noqa: PLC0415
-    from axlearn.common.layers import RMSNorm, set_bias_recursively, set_norm_recursively  # noqa: PLC0415
+    from axlearn.common.layers import (  # noqa: PLC0415
+        RMSNorm,
+        set_bias_recursively,
+        set_norm_recursively,
+    )
     from axlearn.common.mixture_of_experts import (  # noqa: PLC0415
         TopKGating,
         TransformerFeedForwardMoE,

@@ -8,9 +8,9 @@ on it.
 * the traced footprint of six of MaxText's decoder layers (`maxtext_zoo.LAYERS`: llama2,
   gemma2, mixtral's MoE on the sparse and the dense path, DeepSeek's MoE with MLA,
   Qwen3-Next's gated delta net, a chunked scan with a differentiated state carry, with its
-  MoE; bfloat16 activations): every tag in JAX's own VJP jaxpr of the layer is in the footprint, with
-  bytes where JAX saves it, and the kept bytes equal ``saved_residuals``'s on every tag
-  alone and 10 or more other save sets;
+  MoE; bfloat16 activations): every tag in JAX's own VJP jaxpr of the layer is in the
+  footprint, with bytes where JAX saves it, and the kept bytes equal ``saved_residuals``'s
+  on every tag alone and 10 or more other save sets;
 * `fit` on MaxText's ``train_step`` at HBM sizes between full remat and no remat: the
   plan's policy, compiled, fits and has the figures the plan states; against the
   compiled brute force over MaxText's most useful tags (slow), the gap is at most 2
