@@ -161,15 +161,7 @@ class Built:
     tags: dict[str, TagInfo] = field(default_factory=dict)
     hidden: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    unmodelled: list[str] = field(default_factory=list)  # why `graph` is not the program's
     per_shard: bool = False  # a shard_map was inlined: its values are at per-shard shapes
-
-    def checked(self) -> LayerGraph:
-        """The graph, or `UnsupportedPrimitiveError` where part of the program is not
-        modelled (the tags are still read: `emitted_tags`)."""
-        if self.unmodelled:
-            raise UnsupportedPrimitiveError(self.unmodelled[0])
-        return self.graph
 
 
 def jaxpr_graph(jaxpr: Any, *, unknown: Sequence[bool],
@@ -233,7 +225,6 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
     tags: dict[str, TagInfo] = {}
     hidden: dict[str, str] = {}
     notes: list[str] = []
-    unmodelled: list[str] = []
     per_shard = [False]
     counter = [0]
     whole = [0]  # depth inside calls JAX's remat recomputes whole (`_WHOLE`)
@@ -499,7 +490,7 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
     graph = LayerGraph(values=values, ops=tuple(ops), inputs=tuple(inputs),
                        params=tuple(params), reads=tuple(reads), outputs=tuple(outs),
                        round_saved=True)
-    return Built(graph, tags, hidden, notes, unmodelled, per_shard[0])
+    return Built(graph, tags, hidden, notes, per_shard[0])
 
 
 def _traced(call: Call, acts: Sequence[int]) -> Built:
@@ -518,7 +509,7 @@ def traced_graph(fn: Callable[..., Any], args: Sequence[Any],
     `activation_argnums` count their bytes, the others are parameters), tangents of every
     floating argument unknown, as when a training step differentiates the layer with
     respect to its input and its parameters."""
-    return _traced(bind_call(fn, args, kwargs), activation_argnums).checked()
+    return _traced(bind_call(fn, args, kwargs), activation_argnums).graph
 
 
 def traced_footprint(fn: Callable[..., Any], *args: Any,
@@ -548,7 +539,7 @@ def traced_footprint(fn: Callable[..., Any], *args: Any,
     call = bind_call(fn, args, kwargs)
     acts = resolve_activation_argnums(call.fn, call.args, None, activation_argnums)
     built = _traced(call, acts)
-    graph = built.checked()
+    graph = built.graph
     order: dict[str, list[Value]] = {}
     for v in graph.values.values():
         if v.role is not None and v.copy_of is None:
