@@ -29,6 +29,7 @@ from __future__ import annotations
 import pytest
 
 import axlearn_zoo as az
+from xla_figures import jax_kept_bytes
 
 _WHY = az.available()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=str(_WHY))
@@ -69,18 +70,7 @@ def _layer(gating):
 def _kept_bytes(fn, params, x):
     """Bytes of what JAX's ``saved_residuals`` lists for ``fn(params, x)``: the layer input
     counted, the parameters not (as the footprint counts)."""
-    import numpy as np
-
-    from neuron_remat._jax_compat import saved_residuals
-
-    total = 0
-    for aval, why in saved_residuals(fn, params, x):
-        nbytes = int(np.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
-        if why.startswith("from the argument"):
-            total += nbytes if (aval.shape, aval.dtype) == (x.shape, x.dtype) else 0
-        else:
-            total += nbytes
-    return total
+    return jax_kept_bytes(fn, (params, x), 1)
 
 
 def jax_kept(gating, saved):
