@@ -124,9 +124,9 @@ _EDGES = {
     "times_one": lambda y, s: (1.0 * y) * s,
     "and_true": lambda y, s: jnp.where(jnp.logical_and(y > 0, True), y, s),
     # an integer offset of 0 on an iota, as the causal mask's
-    "iota_plus_zero": lambda y, s: jnp.where(
+    "iota_plus_zero": lambda y, s: y * (
         (jax.lax.broadcasted_iota(jnp.int32, y.shape, 1) + 0)
-        >= jax.lax.broadcasted_iota(jnp.int32, y.shape, 2), y, 0.0),
+        >= jax.lax.broadcasted_iota(jnp.int32, y.shape, 2)).astype(y.dtype),
     # kept by XLA: a division by a literal 1 and a bitwise and of integers with 1
     "over_one": lambda y, s: y * (s / 1.0),
     "bits_and_one": lambda y, s: y * ((jax.lax.broadcasted_iota(jnp.int32, y.shape, 2) & 1)
