@@ -49,6 +49,11 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    are compiled (one per tag more) before `NoFitError` or full remat, and the walk goes on
    from the first that fits with what is left of that budget. A ``max_compiles`` the
    caller gives is a hard cap: no compile beyond it, in this case or any other.
+   Where nothing compiled fits and the caller named no ``candidates``, each tag outside
+   the pool (one that keeps or recomputes something, but too little to be worth deciding)
+   is compiled alone before `NoFitError`, least kept first, and the least-recompute one
+   that fits is the plan (`_Search._last_resort`): its saving can spare the backward a
+   workspace the trace does not see.
 
 A backend without ``memory_analysis()`` (it raises, returns None, or reports nothing; the
 Neuron PJRT plugin may not implement it) makes the compile the oracle: an error carrying
@@ -353,8 +358,12 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
                  f"{r.seconds:.1f} s")
         return r
 
+    spare = _spare(graph, tags) if plan_options.get("candidates") is None else []
+    if spare:
+        progress(f"fit: before it refuses, {len(spare)} compiles more: each tag outside the "
+                 f"candidates alone ({', '.join(c.saved[0] for c in spare)})")
     search = _Search(cands, measure, limit, budget, band, stretch, progress,
-                     budget_given=max_compiles is not None)
+                     budget_given=max_compiles is not None, spare=spare)
     try:
         best = search.run()
     except _PolicyIgnored as err:
@@ -391,9 +400,22 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
         r = dataclasses.replace(r, bytes=model.predict(best.stored, best.read))
     else:
         model = search.model or _Model(0.0, 1.0, 1.0)
+    if best.saved and not set(best.saved) <= set(tags):  # the last resort's spare tag
+        tags = (*tags, *best.saved)
     return _make_plan(graph, best, cands, device, hbm, held, limit, probes, model, tags, r,
                       plan_options, measured=measured, extra_notes=notes,
                       over={s for s, c in results.items() if c.over(limit)}, stop=search.stop)
+
+
+def _spare(graph: StepGraph, tags: Sequence[str]) -> list[_Candidate]:
+    """Each tag of the step outside the pool `tags` (not worth deciding by the trace's
+    count; not a second name of a pool tag's value), alone: `_Search._last_resort`."""
+    second = aliases(graph, graph.tags)
+    base = (graph.kept_bytes(()), graph.recompute_flops(()))
+    return [_Candidate((t,), graph.kept_bytes((t,)), graph.read_bytes((t,)),
+                       graph.recompute_flops((t,)), graph.stored_bytes((t,)))
+            for t in graph.tags if t not in tags and second.get(t) not in tags
+            and (graph.kept_bytes((t,)), graph.recompute_flops((t,))) != base]
 
 
 def _fewest_ops(best: _Candidate, fitted: Sequence[_Candidate],
@@ -549,11 +571,12 @@ class FitPreview:
     step_flops: float
     stretch: int = 0
     tight: bool | None = None  # full remat over or within TIGHT x the uncertainty (band)
+    spare: tuple[str, ...] = ()  # tags outside the pool, each compiled alone before a refusal
 
     def to_dict(self) -> dict[str, Any]:
         return {"limit_bytes": self.limit_bytes, "tags": list(self.tags),
                 "max_compiles": self.max_compiles, "stretch": self.stretch,
-                "tight": self.tight, "measured": self.measured,
+                "tight": self.tight, "measured": self.measured, "spare": list(self.spare),
                 "step_flops": self.step_flops,
                 "full_remat": dataclasses.asdict(self.full_remat),
                 "candidates": [{"saved": None if s is None else list(s),
@@ -585,6 +608,9 @@ class FitPreview:
             lines.append(f"dry run: here full remat is {'' if self.tight else 'not '}that "
                          f"close: at most {self.max_compiles + self.tight * self.stretch} "
                          "compiles")
+        if self.spare:
+            lines.append(f"dry run: where nothing compiled fits, {len(self.spare)} more "
+                         f"before it refuses: {', '.join(self.spare)}, each alone")
         return "\n".join(lines)
 
 
@@ -617,7 +643,9 @@ def fit_preview(make_step: Callable[[Any], Any], *args: Any,
     return FitPreview(limit, probe, tuple(tags),
                       tuple((c.saved, model.predict(c.stored, c.read), float(c.recompute))
                             for c in front), budget, measured, float(graph.no_remat_flops),
-                      _stretch(len(tags), budget_given=max_compiles is not None), tight)
+                      _stretch(len(tags), budget_given=max_compiles is not None), tight,
+                      tuple(c.saved[0] for c in _spare(graph, tags))
+                      if plan_options.get("candidates") is None else ())
 
 
 def fit_table(plan: Plan) -> str:

@@ -239,9 +239,13 @@ class _Search:
     budget_given: bool = False  # max_compiles is the user's: the oracle's cap gives way to it
     stop: str = ""
     noticed: str = ""
+    spare: list[_Candidate] = dataclasses.field(default_factory=list)
+    """Sets of one tag outside `candidates` (tags the trace says are not worth deciding),
+    compiled only before the search would end with nothing that fits (`_last_resort`)."""
 
     def __post_init__(self) -> None:
         self._by = {c.saved: c for c in self.candidates}
+        self._by.update({c.saved: c for c in self.spare if c.saved not in self._by})
         self._floor = 1.0
         self._scale = 1.0  # full remat's compiled bytes, once known
         self._corr: tuple[list[str], np.ndarray] | None = None  # `_alike`, once built
@@ -401,8 +405,41 @@ class _Search:
     # ---- the search ------------------------------------------------------------------
 
     def run(self) -> _Candidate | None:
-        """The least-recompute candidate whose compile fit (None when none did); `stop`
-        says why the search ended."""
+        """The least-recompute candidate whose compile fit (None when none did: then, as
+        a last resort, a `spare` set that fits); `stop` says why the search ended."""
+        best = self._run()
+        return best if best is not None or self.noticed else self._last_resort()
+
+    def _last_resort(self) -> _Candidate | None:
+        """Nothing compiled fits: compile the `spare` sets (each tag outside the
+        candidates alone, least kept first), one each, within a budget the caller gave,
+        and return the one that recomputes least among those that fit. Such a tag keeps
+        little and saves little work by the trace's count, but its saving can spare the
+        backward a large recompute workspace the trace does not see: axlearn's
+        ``TopKGating.gate_assignment`` (the top-k indices) compiles 2.61 MiB under full
+        remat on XLA:CPU (75.43 MiB) with Fuji's layer and a mixture of experts."""
+        todo = [c for c in sorted(self.spare, key=lambda c: (c.stored, c.saved))
+                if c.saved not in self.compiled]
+        if not todo or (self.budget_given and self.used >= self.max_compiles):
+            return None
+        why = self.stop
+        self.log(f"fit: nothing compiled fits; as a last resort, each of the {len(todo)} "
+                 "tags outside the candidates alone (the trace says they save little, but "
+                 "their saving may spare the backward a workspace)")
+        for c in todo:
+            if self.budget_given and self.used >= self.max_compiles:
+                break
+            self._measure(c)
+        fitted = [c for c in todo if self.fits(c.saved)]
+        if not fitted:
+            self.stop = f"{why}; no tag outside the candidates, saved alone, fits either"
+            return None
+        best = min(fitted, key=lambda c: (c.recompute, c.stored))
+        self.stop = (f"{why}; as a last resort, {_what(best.saved)}, a tag outside the "
+                     "candidates, fits")
+        return best
+
+    def _run(self) -> _Candidate | None:
         full = self._by[()]
         first = self._measure(full)
         self._floor = FLOOR * (first.bytes or first.reported or self.limit)

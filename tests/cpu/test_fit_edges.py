@@ -523,3 +523,42 @@ def _xla_bytes_of(make, policy) -> int:
     m = make(policy).lower(*ARGS).compile().memory_analysis()
     return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
             - m.alias_size_in_bytes)
+
+
+def _layer_with_a_cheap_tag(x, w):
+    h = checkpoint_name(x @ w["a"], "h1")
+    t = checkpoint_name(jnp.tanh(h), "act")  # elementwise: not worth deciding by the trace
+    return x + (t * h) @ w["c"]
+
+
+def _step_with_a_cheap_tag(policy):
+    def loss(p, x):
+        return jnp.mean(nr.scan_layers(_layer_with_a_cheap_tag, p, x, policy) ** 2)
+
+    return jax.jit(lambda p, x: jax.tree.map(lambda a, b: a - 1e-2 * b, p,
+                                             jax.grad(loss)(p, x)), donate_argnums=(0,))
+
+
+def test_a_tag_outside_the_pool_is_compiled_alone_before_a_refusal():
+    """`act` (a tanh's output) is outside fit's pool: saving it saves no FLOP the trace
+    counts. Where nothing compiled fits, `fit` compiles it alone before it refuses (the
+    dry run lists it); with ``candidates`` named, it does not."""
+    args = ({"a": ARGS[0]["a"], "c": ARGS[0]["c"]}, ARGS[1])
+    m = _step_with_a_cheap_tag(
+        jax.checkpoint_policies.nothing_saveable).lower(*args).compile().memory_analysis()
+    full = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)
+    device, reserve = _device(full - MiB // 4)
+    lines: list[str] = []
+    with pytest.raises(nr.NoFitError):
+        nr.fit(_step_with_a_cheap_tag, *args, device=device, reserve=reserve,
+               progress=lines.append)
+    assert any("search (save act)" in line for line in lines), lines
+    assert any("last resort" in line for line in lines), lines
+    preview = F.fit_preview(_step_with_a_cheap_tag, *args, device=device, reserve=reserve)
+    assert preview.tags == ("h1",) and preview.spare == ("act",)
+    lines.clear()
+    with pytest.raises(nr.NoFitError):
+        nr.fit(_step_with_a_cheap_tag, *args, device=device, reserve=reserve,
+               candidates=["h1"], progress=lines.append)
+    assert not any("act" in line for line in lines), lines
