@@ -36,6 +36,11 @@ the same path. The tags are axlearn's own, ``"<LayerClass>.<name>"`` from
 ``BaseLayer._remat_name`` (base_layer.py 783-797), e.g. ``GroupedQueryAttention.q_proj``,
 ``TransformerFeedForwardLayer.linear1_0``.
 
+``axlearn-fuji-moe`` replaces every layer's feed-forward by axlearn's
+``TransformerFeedForwardMoE`` routed by ``TopKGating`` (`MOE_SIZES`,
+`moe_feed_forward_config`: Envy's ``expert_config``, set as common.py's ``config_sparse``
+sets a "sparse" layer, lines 312-318); `moe_layer` is that layer alone.
+
 `STEPS` follows tests/cpu/zoo.py's `Spec` protocol (name, split, note, extra, scan,
 ``make_step()`` -> ``policy -> jitted step``, ``abstract_args()``), so
 benchmarks/fit_sweep.py's machinery runs on it.
@@ -56,6 +61,24 @@ SIZES: dict[str, Any] = dict(
 """A tiny Fuji: 4 scanned layers, hidden 128, GQA 4:2 heads of 32, SwiGLU of 512 (Fuji's
 8/3 scaling of 128 rounded up to 256), vocabulary 256, 2 x 128 tokens."""
 
+MOE_SIZES: dict[str, Any] = dict(SIZES, num_experts=4, experts_per_token=2, num_groups=2,
+                                 capacity_factor=2.0)
+"""`SIZES` with a mixture of 4 experts, top-2 routing, 2 dispatch groups and capacity factor
+2: 2 x 128 = 256 tokens, so 128 tokens a group and an expert capacity of 128 x 2 / 4 = 64
+(``_compute_expert_capacity``, mixture_of_experts.py 224). 4 experts and top-2 as axlearn's
+MoE layer tests (``mixture_of_experts_test.py`` 847-855: ``num_experts=4``,
+``TopKGating...set(num_experts_per_token=2)``, SwiGLU); 2 groups and capacity factor 2.0 as
+every size of axlearn's MoE experiment, Envy (``axlearn/experiments/text/gpt/envy.py``
+148-150, 172-173, 266-267, 348-349). Each expert's SwiGLU hidden dim is the dense layer's
+(`SIZES`' ``ffn_dim``): common.py's ``model_config`` gives the MoE ``ffn_dim`` when no
+``moe_ffn_dim`` is set (common.py 282-283)."""
+
+MOE_GATINGS = ("TopKGating", "Top2Gating")
+"""The routers: axlearn's ``TopKGating`` (top-k with ``jax.lax.top_k``; it tags its outputs
+``TopKGating.gate_weights`` and ``TopKGating.gate_assignment``, mixture_of_experts.py
+801-802) and ``Top2Gating`` (the ``TransformerFeedForwardMoE.Config`` default, 1485, which
+Envy keeps, envy.py 472-479; it tags nothing)."""
+
 
 def available() -> str | None:
     """None when axlearn's layers import here; else why not (a skip reason)."""
@@ -73,13 +96,16 @@ def _policy_fn(policy: Any) -> Any:
 
 
 def model_config(sizes: dict[str, Any], policy: Any, prevent_cse: bool,
-                 rope: bool = True, flash: bool = False) -> Any:
+                 rope: bool = True, flash: bool = False, moe: str | None = None) -> Any:
     """axlearn's ``causal_lm.Model`` config, as Fuji's ``model_config`` (fuji.py 1064-1103)
     and common.py's ``model_config`` (278-379) build it, `policy` in its ``RematSpec``;
     without `rope`, the attention's input linear is Fuji's ``FusedGroupedQKVLinear`` alone
     (no ``RoFormerQKVLinear`` around it); with `flash`, the attention is axlearn's
     ``FlashAttention`` (Fuji's with ``flash_attention=True``: its kernel through
-    ``jax.shard_map``; trace it under `mesh()`)."""
+    ``jax.shard_map``; trace it under `mesh()`); with `moe` (one of `MOE_GATINGS`), every
+    layer's feed-forward is axlearn's ``TransformerFeedForwardMoE`` routed by it
+    (`moe_feed_forward_config`, `sizes` as `MOE_SIZES`), set as common.py sets a "sparse"
+    layer (``config_sparse``, 312-318)."""
     import jax.numpy as jnp  # noqa: PLC0415
     from axlearn.common import causal_lm  # noqa: PLC0415
     from axlearn.common.attention import (  # noqa: PLC0415
@@ -142,13 +168,17 @@ def model_config(sizes: dict[str, Any], policy: Any, prevent_cse: bool,
         layer_cfg, batch_axis_names=("data", "expert", "fsdp"),
         fsdp_axis_names=("expert", "fsdp", "seq"), tp_axis_names="model",
         seq_axis_names="seq")
-    # common.py 305-310 (config_dense), 331-333.
+    # common.py 305-310 (config_dense) or 312-318 (config_sparse: the expert config, then
+    # the same three; its hidden dim is ``ffn_dim`` when no ``moe_ffn_dim`` is set, 282-283),
+    # 331-333.
     lm_layer_cfg = layer_cfg.clone()
+    if moe is not None:
+        lm_layer_cfg.feed_forward = moe_feed_forward_config(s, moe)
     lm_layer_cfg.feed_forward.activation = activation_fn
     lm_layer_cfg.feed_forward.hidden_dim = s["ffn_dim"]
     lm_layer_cfg.feed_forward.structure = "prenorm"
     transformer_cfg = stack_cfg.set(num_layers=s["num_layers"], layer=lm_layer_cfg)
-    # common.py 346-379.
+    # common.py 346-379 (378-379: bias and norm over the whole model, the MoE included).
     decoder_cfg = Decoder.default_config().set(
         transformer=transformer_cfg, attention_mask=None, dim=s["hidden_dim"],
         vocab_size=s["vocab_size"],
@@ -175,19 +205,20 @@ class AxlearnSpec:
     prevent_cse: bool = False
     rope: bool = True
     flash: bool = False
+    moe: str | None = None
     split: str = "held-out"
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     scan: bool = True
 
     def _model(self, policy: Any) -> Any:
-        return model_config(self.sizes, policy, self.prevent_cse, self.rope, self.flash) \
-            .set(name="model").instantiate(parent=None)
+        return model_config(self.sizes, policy, self.prevent_cse, self.rope, self.flash,
+                            self.moe).set(name="model").instantiate(parent=None)
 
     def abstract_args(self) -> tuple[Any, Any]:
         """((abstract float32 parameters, abstract AdamW state), abstract input batch)."""
         return _abstract_args(self.name, tuple(sorted(self.sizes.items())),
-                              self.prevent_cse, self.rope, self.flash)
+                              self.prevent_cse, self.rope, self.flash, self.moe)
 
     def make_step(self) -> Callable[[Any], Any]:
         def make(policy: Any) -> Any:
@@ -214,14 +245,15 @@ def _optimizer() -> Any:
 
 @functools.lru_cache(maxsize=None)
 def _abstract_args(name: str, sizes: tuple[tuple[str, Any], ...],
-                   prevent_cse: bool, rope: bool, flash: bool) -> tuple[Any, Any]:
+                   prevent_cse: bool, rope: bool, flash: bool,
+                   moe: str | None) -> tuple[Any, Any]:
     del name
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
     s = dict(sizes)
     model = model_config(s, jax.checkpoint_policies.nothing_saveable, prevent_cse, rope,
-                         flash).set(name="model").instantiate(parent=None)
+                         flash, moe).set(name="model").instantiate(parent=None)
     tx = _optimizer()
 
     def state() -> Any:
@@ -282,66 +314,36 @@ STEPS: dict[str, AxlearnSpec] = {s.name: s for s in [
     AxlearnSpec(
         "axlearn-fuji-norope", SIZES, prevent_cse=False, rope=False,
         note=_FUJI + "; no RoPE (FusedGroupedQKVLinear alone); RematSpec(prevent_cse=False)"),
+    AxlearnSpec(
+        "axlearn-fuji-moe", MOE_SIZES, prevent_cse=False, rope=True, moe="TopKGating",
+        note=_FUJI + "; RoPE; every layer's feed-forward axlearn's TransformerFeedForwardMoE "
+             "(TopKGating, 4 SwiGLU experts of 512, top 2, 2 groups, capacity factor 2)"),
 ]}
 """axlearn's steps, by name. ``axlearn-fuji`` is Fuji's layer as configured (rotary
 embedding included: ``rotate_half``'s strided slices, attention.py 1337-1338, are gathers on
 JAX 0.8.3, so the layer's backward holds scatter-adds); ``axlearn-fuji-norope`` drops
-``RoFormerQKVLinear``, a structurally different attention."""
+``RoFormerQKVLinear``, a structurally different attention; ``axlearn-fuji-moe`` is
+``axlearn-fuji`` with every layer's feed-forward axlearn's ``TransformerFeedForwardMoE``
+(`MOE_SIZES`, routed by ``TopKGating``: `moe_layer_config`'s layer, in the stack)."""
 
 
 # --------------------------------------------------------------------------------------
-# axlearn's mixture-of-experts feed-forward inside its TransformerLayer (one layer).
+# axlearn's mixture-of-experts feed-forward (in axlearn-fuji-moe's layers; one layer alone).
 # --------------------------------------------------------------------------------------
 
-MOE_SIZES: dict[str, Any] = dict(SIZES, num_experts=4, experts_per_token=2, num_groups=2,
-                                 capacity_factor=2.0)
-"""`SIZES` with a mixture of 4 experts, top-2 routing, 2 dispatch groups and capacity factor
-2: 2 x 128 = 256 tokens, so 128 tokens a group and an expert capacity of 128 x 2 / 4 = 64
-(``_compute_expert_capacity``, mixture_of_experts.py 224). 4 experts and top-2 as axlearn's
-MoE layer tests (``mixture_of_experts_test.py`` 847-855: ``num_experts=4``,
-``TopKGating...set(num_experts_per_token=2)``, SwiGLU); 2 groups and capacity factor 2.0 as
-every size of axlearn's MoE experiment, Envy (``axlearn/experiments/text/gpt/envy.py``
-148-150, 172-173, 266-267, 348-349). Each expert's SwiGLU hidden dim is the dense layer's
-(`SIZES`' ``ffn_dim``): common.py's ``model_config`` gives the MoE ``ffn_dim`` when no
-``moe_ffn_dim`` is set (common.py 282-283)."""
-
-MOE_GATINGS = ("TopKGating", "Top2Gating")
-"""The routers: axlearn's ``TopKGating`` (top-k with ``jax.lax.top_k``; it tags its outputs
-``TopKGating.gate_weights`` and ``TopKGating.gate_assignment``, mixture_of_experts.py
-801-802) and ``Top2Gating`` (the ``TransformerFeedForwardMoE.Config`` default, 1485, which
-Envy keeps, envy.py 472-479; it tags nothing)."""
-
-
-def moe_layer_config(sizes: dict[str, Any], gating: str, policy: Any = None) -> Any:
-    """axlearn's ``TransformerLayer`` as Fuji's stack holds it (`model_config`: RMSNorm,
-    causal GQA 4:2 through ``FusedGroupedQKVLinear`` inside ``RoFormerQKVLinear``, no
-    biases) with its feed-forward a ``TransformerFeedForwardMoE``, set as common.py's
-    ``model_config`` sets a "sparse" layer (``config_sparse``, common.py 312-318: the
-    ``expert_cfg``, then ``activation``, ``hidden_dim`` and ``structure``) from Envy's
-    ``expert_config`` (envy.py 472-479). With `policy`, the layer's ``RematSpec`` holds it
-    (``BaseLayer._maybe_wrap_with_remat`` then wraps ``TransformerLayer.forward`` in
-    ``jax.checkpoint``, base_layer.py 585-589; ``prevent_cse=False``, what
-    ``build_remat_spec`` gives Envy's ``RepeatedTransformerLayer`` stack, attention.py 4649);
-    without, no remat."""
-    from axlearn.common.base_layer import RematSpec  # noqa: PLC0415
-    from axlearn.common.config import config_for_function  # noqa: PLC0415
-    from axlearn.common.layers import (  # noqa: PLC0415
-        RMSNorm,
-        set_bias_recursively,
-        set_norm_recursively,
-    )
+def moe_feed_forward_config(sizes: dict[str, Any], gating: str) -> Any:
+    """axlearn's ``TransformerFeedForwardMoE`` config routed by `gating` (one of
+    `MOE_GATINGS`) at `sizes` (`MOE_SIZES`' keys), as Envy's ``expert_config`` sets it
+    (envy.py 472-479); `model_config` puts it in every layer and sets its ``activation``,
+    ``hidden_dim`` and ``structure`` as common.py's ``config_sparse`` does (312-318)."""
     from axlearn.common.mixture_of_experts import (  # noqa: PLC0415
         TopKGating,
         TransformerFeedForwardMoE,
     )
 
-    import jax  # noqa: PLC0415
-
     if gating not in MOE_GATINGS:
         raise ValueError(f"gating {gating!r} is not one of {MOE_GATINGS}")
     s = sizes
-    layer_cfg = model_config(s, jax.checkpoint_policies.nothing_saveable, prevent_cse=False,
-                             rope=True).decoder.transformer.layer.clone()
     # envy.py 467-479: outer_batch from the mesh's data x fsdp axes (get_outer_batch_from_
     # mesh, mixture_of_experts.py 261-305): 1 on one device; the partition specs are left
     # at the class defaults, as maybe_shard does nothing on one device (utils.py 674-678).
@@ -354,14 +356,28 @@ def moe_layer_config(sizes: dict[str, Any], gating: str, policy: Any = None) -> 
     elif s["experts_per_token"] != 2:
         raise ValueError("Top2Gating routes each token to 2 experts")
     expert_cfg.gating.train_capacity_factor = s["capacity_factor"]  # envy.py 479
-    # common.py 312-318 (config_sparse), with Envy's SwiGLU (envy.py 491) and prenorm.
-    layer_cfg.feed_forward = expert_cfg
-    layer_cfg.feed_forward.activation = ("nn.silu", "linear")
-    layer_cfg.feed_forward.hidden_dim = s["ffn_dim"]
-    layer_cfg.feed_forward.structure = "prenorm"
-    # common.py 378-379 (and envy.py 454's norm): over the whole model, so over the MoE too.
-    set_bias_recursively(layer_cfg, False)
-    set_norm_recursively(layer_cfg, RMSNorm.default_config().set(eps=1e-5, forward_dtype=None))
+    return expert_cfg
+
+
+def moe_layer_config(sizes: dict[str, Any], gating: str, policy: Any = None) -> Any:
+    """axlearn's ``TransformerLayer`` as Fuji's stack holds it (`model_config`: RMSNorm,
+    causal GQA 4:2 through ``FusedGroupedQKVLinear`` inside ``RoFormerQKVLinear``, no
+    biases) with its feed-forward a ``TransformerFeedForwardMoE`` (`moe_feed_forward_config`,
+    set as common.py's ``model_config`` sets a "sparse" layer, ``config_sparse``, common.py
+    312-318: the ``expert_cfg``, then ``activation`` (SwiGLU, as Envy's, envy.py 491),
+    ``hidden_dim`` and ``structure``; bias and norm over the whole model, 378-379, and
+    envy.py 454's norm): `model_config`'s ``axlearn-fuji-moe`` layer. With `policy`, the
+    layer's ``RematSpec`` holds it (``BaseLayer._maybe_wrap_with_remat`` then wraps
+    ``TransformerLayer.forward`` in ``jax.checkpoint``, base_layer.py 585-589;
+    ``prevent_cse=False``, what ``build_remat_spec`` gives Envy's
+    ``RepeatedTransformerLayer`` stack, attention.py 4649); without, no remat."""
+    import jax  # noqa: PLC0415
+    from axlearn.common.base_layer import RematSpec  # noqa: PLC0415
+    from axlearn.common.config import config_for_function  # noqa: PLC0415
+
+    s = sizes
+    layer_cfg = model_config(s, jax.checkpoint_policies.nothing_saveable, prevent_cse=False,
+                             rope=True, moe=gating).decoder.transformer.layer.clone()
     layer_cfg.remat_spec = None if policy is None else RematSpec(
         prevent_cse=False, policy=config_for_function(_policy_fn).set(policy=policy))
     return layer_cfg.set(name="layer", input_dim=s["hidden_dim"])
