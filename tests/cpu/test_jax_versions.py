@@ -101,7 +101,9 @@ def test_traced_footprint_is_the_same(layer_args, impl):
         NAMES["v_proj"]: 16384 - 256, NAMES["context"]: 8192 - 512,
         NAMES["o_proj"]: 32768 - 512, NAMES["linear1_0"]: 65536 - 1024,
         NAMES["linear1_1"]: 65536 - 1024, NAMES["linear2"]: 0}
-    assert fp.evaluate(()) == (2048, 258720)
+    # XLA's count of the layer's recompute in a scan of two (JAX 0.7.2, 0.8.3 and 0.10.2):
+    # its causal mask adds 0 to an 8 x 8 iota, which XLA's simplifier removes
+    assert fp.evaluate(()) == (2048, 258656)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
