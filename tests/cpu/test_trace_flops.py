@@ -29,14 +29,14 @@ P = {"router": jnp.ones((D, E)) + jnp.arange(E), "w1": jnp.ones((E, D, F)),
      "w2": jnp.ones((F, D))}
 
 
-def _xla_step_flops(layer, policy, params=P) -> float:
+def _xla_step_flops(layer, policy, params=P, x=X) -> float:
     f = layer if policy is None else jax.checkpoint(layer, policy=policy)
     ps = jax.tree.map(lambda a: jnp.stack([a, a]), params)
 
     def loss(x, ps):
         return jax.lax.scan(lambda h, q: (f(h, q), None), x, ps)[0].sum()
 
-    c = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(X, ps).cost_analysis()
+    c = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, ps).cost_analysis()
     return (c[0] if isinstance(c, list) else c)["flops"]
 
 
@@ -149,19 +149,9 @@ def test_simplified_work_is_counted_as_xla_counts_it(edge):
     x = jnp.ones((2, T, D)) * 0.1
     p = {"w": jnp.ones((D, D)) * 0.1, "s": jnp.ones((D,))}
     fp = nr.traced_footprint(layer, x, p)
-    base = _xla_step_flops_at(layer, None, x, p)
+    base = _xla_step_flops(layer, None, p, x)
     for saved in [(), ("y",)]:
-        xla = _xla_step_flops_at(layer, jax.checkpoint_policies.save_only_these_names(*saved),
-                                 x, p)
+        xla = _xla_step_flops(layer, jax.checkpoint_policies.save_only_these_names(*saved),
+                              p, x)
         assert fp.evaluate(saved)[1] == xla - base, (edge, saved)
 
-
-def _xla_step_flops_at(layer, policy, x, params) -> float:
-    f = layer if policy is None else jax.checkpoint(layer, policy=policy)
-    ps = jax.tree.map(lambda a: jnp.stack([a, a]), params)
-
-    def loss(x, ps):
-        return jax.lax.scan(lambda h, q: (f(h, q), None), x, ps)[0].sum()
-
-    c = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, ps).cost_analysis()
-    return (c[0] if isinstance(c, list) else c)["flops"]
