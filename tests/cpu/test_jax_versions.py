@@ -112,7 +112,7 @@ def test_a_plan_from_the_traced_footprint_is_the_same(layer_args, impl):
         fp = _trace.traced_footprint(layer, *layer_args)
     chosen = planner.plan_footprint(footprint=fp, budget_bytes=2048 + 8192, min_flops_per_byte=0)
     assert set(chosen.saved_tags) == {NAMES["linear1_0"], NAMES["linear1_1"]}
-    assert chosen.recompute_flops_per_layer == 129696
+    assert chosen.recompute_flops_per_layer == 129632  # XLA's count, as above
 
 
 def _compiled_flops(policy, impl):
