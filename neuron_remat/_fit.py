@@ -51,9 +51,10 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    caller gives is a hard cap: no compile beyond it, in this case or any other.
    Where nothing compiled fits and the caller named no ``candidates``, each tag outside
    the pool (one that keeps or recomputes something, but too little to be worth deciding)
-   is compiled alone before `NoFitError`, least kept first, and the least-recompute one
-   that fits is the plan (`_Search._last_resort`): its saving can spare the backward a
-   workspace the trace does not see.
+   is compiled alone before `NoFitError`, least kept first (`_Search._last_resort`): its
+   saving can spare the backward a workspace the trace does not see. Where one fits, the
+   walk goes on among the sets that hold it beside the pool's tags (one compile more per
+   tag), and the least-recompute set that fits is the plan.
 
 A backend without ``memory_analysis()`` (it raises, returns None, or reports nothing; the
 Neuron PJRT plugin may not implement it) makes the compile the oracle: an error carrying
@@ -361,9 +362,12 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
     spare = _spare(graph, tags) if plan_options.get("candidates") is None else []
     if spare:
         progress(f"fit: before it refuses, {len(spare)} compiles more: each tag outside the "
-                 f"candidates alone ({', '.join(c.saved[0] for c in spare)})")
+                 f"candidates alone ({', '.join(c.saved[0] for c in spare)}); where one fits, "
+                 f"at most {len(tags) + 1} more among the sets that hold it")
     search = _Search(cands, measure, limit, budget, band, stretch, progress,
-                     budget_given=max_compiles is not None, spare=spare)
+                     budget_given=max_compiles is not None, spare=spare,
+                     beside=lambda t: [c for c in _candidates(graph, (*tags, t), False)
+                                       if t in (c.saved or ())])
     try:
         best = search.run()
     except _PolicyIgnored as err:
@@ -610,7 +614,8 @@ class FitPreview:
                          "compiles")
         if self.spare:
             lines.append(f"dry run: where nothing compiled fits, {len(self.spare)} more "
-                         f"before it refuses: {', '.join(self.spare)}, each alone")
+                         f"before it refuses: {', '.join(self.spare)}, each alone (where one "
+                         f"fits, at most {len(self.tags) + 1} more beside it)")
         return "\n".join(lines)
 
 

@@ -190,8 +190,13 @@ def _candidates(graph: StepGraph, tags: Sequence[str], no_remat: bool = True
     if no_remat:
         found.append(_Candidate(None, graph.no_remat_kept_bytes(), 0, 0,
                                 graph.no_remat_kept_bytes(stored=True)))
-    return sorted(found, key=lambda c: (c.recompute, c.kept, len(c.saved or ()) - (
-        c.saved is None) * 1000, c.saved or ()))
+    return sorted(found, key=_order)
+
+
+def _order(c: _Candidate) -> tuple[Any, ...]:
+    """The candidates' order: least recompute first, then fewest bytes kept; no remat
+    before a save set that ties with it."""
+    return (c.recompute, c.kept, len(c.saved or ()) - (c.saved is None) * 1000, c.saved or ())
 
 
 def _frontier(cands: Sequence[_Candidate], predict: Callable[[_Candidate], float] | None = None
@@ -242,6 +247,10 @@ class _Search:
     spare: list[_Candidate] = dataclasses.field(default_factory=list)
     """Sets of one tag outside `candidates` (tags the trace says are not worth deciding),
     compiled only before the search would end with nothing that fits (`_last_resort`)."""
+    beside: Callable[[str], list[_Candidate]] | None = None
+    """For a spare tag, the save sets that hold it beside the candidates' tags (`_fit`
+    builds them from the step's graph): where the tag alone fits, the walk goes on among
+    them."""
 
     def __post_init__(self) -> None:
         self._by = {c.saved: c for c in self.candidates}
@@ -437,6 +446,24 @@ class _Search:
         best = min(fitted, key=lambda c: (c.recompute, c.stored))
         self.stop = (f"{why}; as a last resort, {_what(best.saved)}, a tag outside the "
                      "candidates, fits")
+        more = [] if self.beside is None else [
+            c for c in self.beside(best.saved[0]) if c.saved not in self._by]
+        if not more or (self.budget_given and self.used >= self.max_compiles):
+            return best
+        # walk on among the sets that hold it: its effect on the compiled bytes is one
+        # more tag's (`_tag_effect`), read from its compile alone; one compile more per tag
+        # of those sets, as the rescue's stretch (a budget the caller gave holds)
+        self.candidates = sorted([*self.candidates, best, *more], key=_order)
+        self._by.update({c.saved: c for c in more})
+        self._corr, self._gp_key = None, None
+        if not self.budget_given:
+            self.max_compiles = self.used + len(self._alike()[0])
+        found = self._walk()
+        kept = self.stop
+        if found is not None and found is not best:
+            best = found
+        self.stop = (f"{why}; as a last resort, {_what(best.saved)} fits (a tag outside "
+                     f"the candidates, then the sets beside it: {kept})")
         return best
 
     def _run(self) -> _Candidate | None:

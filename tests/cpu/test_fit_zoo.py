@@ -216,7 +216,7 @@ def _synthetic(n_tags: int, seed: int, noise: float):
 
 
 def _run(cands, table, limit, budget=6, oracle=False, figures=False, stretch=6,
-         budget_given=False, spare=()):
+         budget_given=False, spare=(), beside=None):
     """The search on a table of compiled bytes. `oracle`: no memory figures, a compile
     over the limit runs out of memory (`figures`: its error gives the bytes).
     `budget_given`: `budget` is the caller's ``max_compiles``."""
@@ -231,7 +231,7 @@ def _run(cands, table, limit, budget=6, oracle=False, figures=False, stretch=6,
         return C._Compiled(b, 0, 0, 0, 0, 1e9 + c.recompute, 0.0)
 
     s = S._Search(list(cands), measure, limit, budget, stretch=stretch,
-                  budget_given=budget_given, spare=list(spare))
+                  budget_given=budget_given, spare=list(spare), beside=beside)
     return s.run(), s, calls
 
 
@@ -700,3 +700,29 @@ def test_before_refusing_each_tag_outside_the_pool_is_compiled_alone(oracle):
     got, s, calls = _run(cands, table, limit, oracle=oracle, figures=True, spare=spare,
                          budget=3, budget_given=True, stretch=0)  # as fit passes them
     assert len(calls) <= 3, calls
+
+
+@pytest.mark.parametrize("oracle", [False, True])
+def test_the_walk_goes_on_beside_a_tag_outside_the_pool_that_fits(oracle):
+    """As above, where the spare tag g fits alone: sets that hold g beside the pool's tags
+    (a, b) are walked too, and the least-recompute one that fits is planned (here g with
+    a: g's 3 MiB drop, read from its compile alone, carries over), within one compile
+    per tag more."""
+    sizes, gains = {"a": 2, "b": 2}, {"a": 5, "b": 3}
+    table = {(): 100, ("a",): 101, ("b",): 101, ("a", "b"): 102, None: 110}
+    cands, table = _by_hand(sizes, gains, table)
+    by = {c.saved: c for c in cands}
+    g = S._Candidate(("g",), MiB + 4096, 2 * MiB, 10**10 + 10**10 - 1000)
+    limit = int(99.5 * MiB)
+
+    def with_g(s):
+        c = by[s]
+        return S._Candidate((*s, "g"), c.kept + 4096, c.read, c.recompute - 1000)
+
+    beside = {("a", "g"): 98, ("b", "g"): 98, ("a", "b", "g"): 100}
+    table.update({("g",): 97 * MiB, **{k: int(v * MiB) for k, v in beside.items()}})
+    got, s, calls = _run(cands, table, limit, oracle=oracle, figures=True, spare=[g],
+                         beside=lambda t: [g, *(with_g(k[:-1]) for k in beside)])
+    assert got is not None and got.saved == ("a", "g"), (calls, s.stop)
+    assert table[got.saved] <= limit and "last resort" in s.stop
+    assert len(calls) <= calls.index(("g",)) + 1 + 3, calls
