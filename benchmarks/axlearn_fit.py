@@ -16,7 +16,9 @@ compiles).
 
 A step `fit` refuses to read (a ValueError, e.g. an equation neuron_remat does not follow)
 is reported with the error, the other steps are swept, and the script then exits non-zero.
-``--small``: three tags, ten sizes; ``--steps A,B``: only these steps.
+``--small``: three tags, ten sizes; ``--steps A,B``: only these steps; ``--spare``: the brute
+force also covers each tag outside `fit`'s pool (cached as ``<step>+spare.json``) and `fit`
+runs without ``candidates``, its last resort on (`_Search._last_resort`).
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             continue
         step, more = MF.sweep_real_step(name, spec, graph, "axlearn", az.AXLEARN_COMMIT[:8],
                                         args.out / "axlearn_brute", max_tags, n_sizes,
-                                        args.max_compiles, args.brute_only, say)
+                                        args.max_compiles, args.brute_only, say,
+                                        args.spare)
         lines += more
         if step is not None:
             result["steps"][name] = step

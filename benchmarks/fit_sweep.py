@@ -232,21 +232,25 @@ def _best(brute: Brute, limit: int) -> tuple[float, tuple[str, ...] | None] | No
 
 
 def sweep_step(brute: Brute, mode: str, sizes: Sequence[int], graph: Any,
-               F: Any, zoo: Any, max_compiles: int | None = None) -> list[dict[str, Any]]:
+               F: Any, zoo: Any, max_compiles: int | None = None,
+               own_pool: bool = False) -> list[dict[str, Any]]:
     """`fit` at each of `sizes` in `mode`, its compiles served from `brute`; with
-    `max_compiles`, that budget is fit's (``max_compiles=``) instead of its own."""
+    `max_compiles`, that budget is fit's (``max_compiles=``) instead of its own. `fit` is
+    given the brute force's tags as ``candidates``; with `own_pool`, none (it picks its own
+    pool, and its last resort may compile the tags outside it: `brute` must cover both)."""
     counter = [0]
     make = cached_make_step(brute, counter)
     real_step_graph = F.step_graph
     F.step_graph = lambda make_step, *args: graph  # traced once per step, not per size
     try:
-        return _sweep(brute, mode, sizes, graph, zoo, counter, make, max_compiles)
+        return _sweep(brute, mode, sizes, graph, zoo, counter, make, max_compiles, own_pool)
     finally:
         F.step_graph = real_step_graph
 
 
 def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
-           counter: list[int], make: Any, max_compiles: int | None) -> list[dict[str, Any]]:
+           counter: list[int], make: Any, max_compiles: int | None,
+           own_pool: bool = False) -> list[dict[str, Any]]:
     import neuron_remat as nr  # noqa: PLC0415
 
     share = flops_share(graph, brute.spec)
@@ -264,7 +268,8 @@ def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
                                share * (best[0] - flops0)}
         try:
             plan = nr.fit(ms, *brute.spec.abstract_args(), device=device, reserve=0,
-                          candidates=list(brute.tags), progress=lambda line: None, **budget)
+                          candidates=None if own_pool else list(brute.tags),
+                          progress=lambda line: None, **budget)
         except nr.NoFitError:
             row.update(outcome="refused", compiles=counter[0], fits=None, gap=None)
         except ValueError as err:

@@ -18,7 +18,7 @@ nothing in `fit` was tuned on it.
 3. per mode: whether each plan fits, the gap in points of step FLOPs to the best compiled
    set that fits, the gap distribution, refusals while some set fits, the compiles.
 
-``--small``: three tags, ten sizes.
+``--small``: three tags, ten sizes. ``--spare``: as benchmarks/axlearn_fit.py's.
 """
 
 from __future__ import annotations
@@ -67,6 +67,9 @@ def real_step_parser(description: str, name: str) -> Any:
     p.add_argument("--max-compiles", type=FS.compile_budget, default=None, metavar="N",
                    help="give fit this compile budget (max_compiles=N, at least 3) instead "
                         "of its own, as fit_sweep.py's option")
+    p.add_argument("--spare", action="store_true",
+                   help="the brute force also covers each tag outside fit's pool (cached "
+                        "apart), and fit runs without candidates, its last resort on")
     return p
 
 
@@ -97,7 +100,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         graph = F.step_graph(spec.make_step(), *spec.abstract_args())
         step, more = sweep_real_step(name, spec, graph, "MaxText", mz.MAXTEXT_VERSION,
                                      args.out / "maxtext_brute", max_tags, n_sizes,
-                                     args.max_compiles, args.brute_only, say)
+                                     args.max_compiles, args.brute_only, say, args.spare)
         lines += more
         if step is not None:
             result["steps"][name] = step
@@ -106,20 +109,30 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def sweep_real_step(name: str, spec: Any, graph: Any, host: str, version: str,
                     brute_dir: Path, max_tags: int, n_sizes: int, max_compiles: int | None,
-                    brute_only: bool, say: Any) -> tuple[dict[str, Any] | None, list[str]]:
+                    brute_only: bool, say: Any, spare: bool = False
+                    ) -> tuple[dict[str, Any] | None, list[str]]:
     """One step of a host library's real code (MaxText's, axlearn's; `graph` its
     `step_graph`): the brute force over its `max_tags` most useful tags, cached in
     `brute_dir`, then `fit` at `n_sizes` + 1 sizes in both modes (fit_sweep's sweep). Its
-    JSON (None with `brute_only`) and its report lines."""
+    JSON (None with `brute_only`) and its report lines. With `spare`, the brute force also
+    covers every tag outside the pool (``<step>+spare.json``; the pool must be whole) and
+    `fit` runs without ``candidates``, so that its last resort can compile those tags."""
     import fit_sweep as FS  # noqa: PLC0415
     import zoo  # noqa: PLC0415
 
     F = importlib.import_module("neuron_remat._fit")
     SG = importlib.import_module("neuron_remat._step")
     SR = importlib.import_module("neuron_remat._search")
-    pool = SG._pool(graph, None)[:max_tags]  # noqa: SLF001
+    pool = own = SG._pool(graph, None)[:max_tags]  # noqa: SLF001
+    path = brute_dir / f"{name}.json"
+    if spare:
+        if len(pool) < len(SG._pool(graph, None)):  # noqa: SLF001
+            raise SystemExit(f"{name}: --spare needs the whole pool in the brute force "
+                             f"(--tags {len(SG._pool(graph, None))})")  # noqa: SLF001
+        pool = (*pool, *(c.saved[0] for c in F._spare(graph, pool)))  # noqa: SLF001
+        path = brute_dir / f"{name}+spare.json"
     say(f"{name}: {host} emits {', '.join(graph.tags)}; brute force over {', '.join(pool)}")
-    brute = FS.Brute(spec, pool, brute_dir / f"{name}.json")
+    brute = FS.Brute(spec, pool, path)
     seconds = brute.fill(say)
     if brute_only:
         return None, []
@@ -132,12 +145,12 @@ def sweep_real_step(name: str, spec: Any, graph: Any, host: str, version: str,
                             "sets": {FS._key(s): brute.get(s) for s in brute.sets()},  # noqa: SLF001
                             "modes": {}}
     sizes = FS._sizes(brute, n_sizes)  # noqa: SLF001
-    n_front = len(SR._frontier(SR._candidates(graph, pool)))  # noqa: SLF001
+    n_front = len(SR._frontier(SR._candidates(graph, own)))  # noqa: SLF001 - fit's pool
     lines = [f"{name} ({host} {version}): full remat {full / MiB:.2f} MiB, no remat "
              f"{none / MiB:.2f} MiB, smallest set {smallest / MiB:.2f} MiB; {len(sizes)} "
              f"sizes, tags {', '.join(pool)}"]
     for mode in ("memory_analysis", "oracle"):
-        rows = FS.sweep_step(brute, mode, sizes, graph, F, zoo, max_compiles)
+        rows = FS.sweep_step(brute, mode, sizes, graph, F, zoo, max_compiles, spare)
         summary = FS._summary(rows, n_front, mode == "oracle")  # noqa: SLF001
         gaps = [r["gap"] for r in rows if r.get("gap") is not None]
         summary["gap_bins"] = _gap_bins(gaps)

@@ -422,9 +422,10 @@ class _Search:
     def _last_resort(self) -> _Candidate | None:
         """Nothing compiled fits: compile the `spare` sets (each tag outside the
         candidates alone, least kept first), one each, within a budget the caller gave,
-        and return the one that recomputes least among those that fit. Such a tag keeps
-        little and saves little work by the trace's count, but its saving can spare the
-        backward a large recompute workspace the trace does not see: axlearn's
+        and where one fits, walk on among the sets that hold it beside the candidates' tags
+        (`beside`); the least-recompute set that fits, None when no spare set does. Such a
+        tag keeps little and saves little work by the trace's count, but its saving can
+        spare the backward a large recompute workspace the trace does not see: axlearn's
         ``TopKGating.gate_assignment`` (the top-k indices) compiles 2.61 MiB under full
         remat on XLA:CPU (75.43 MiB) with Fuji's layer and a mixture of experts."""
         todo = [c for c in sorted(self.spare, key=lambda c: (c.stored, c.saved))
@@ -441,7 +442,9 @@ class _Search:
             self._measure(c)
         fitted = [c for c in todo if self.fits(c.saved)]
         if not fitted:
-            self.stop = f"{why}; no tag outside the candidates, saved alone, fits either"
+            self.stop = (f"{why}; no tag outside the candidates, saved alone, fits either"
+                         if all(c.saved in self.compiled for c in todo) else
+                         f"{why}; the budget of {self.max_compiles} compiles is spent")
             return None
         best = min(fitted, key=lambda c: (c.recompute, c.stored))
         self.stop = (f"{why}; as a last resort, {_what(best.saved)}, a tag outside the "
