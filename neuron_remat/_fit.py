@@ -49,12 +49,13 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    are compiled (one per tag more) before `NoFitError` or full remat, and the walk goes on
    from the first that fits with what is left of that budget. A ``max_compiles`` the
    caller gives is a hard cap: no compile beyond it, in this case or any other.
-   Where nothing compiled fits and the caller named no ``candidates``, each tag outside
-   the pool (one that keeps or recomputes something, but too little to be worth deciding)
-   is compiled alone before `NoFitError`, least kept first (`_Search._last_resort`): its
-   saving can spare the backward a workspace the trace does not see. Where one fits, the
-   walk goes on among the sets that hold it beside the pool's tags (one compile more per
-   tag), and the least-recompute set that fits is the plan.
+   Where the caller named no ``candidates``, each tag outside the pool (it keeps or
+   recomputes something, but too little to be worth deciding) is compiled alone there,
+   after every tag (one compile more each; with the compile as the oracle, where its
+   figures put full remat that close), and any not compiled by then before `NoFitError`
+   (`_Search._last_resort`): such a saving can spare the backward a workspace the trace
+   does not see. Where one fits, it and the sets that hold it beside the pool's tags join
+   the candidates (`_Search._adopt`), and the walk goes on among them.
 
 A backend without ``memory_analysis()`` (it raises, returns None, or reports nothing; the
 Neuron PJRT plugin may not implement it) makes the compile the oracle: an error carrying
@@ -284,7 +285,8 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
             ceil(log2(frontier - 1)); with memory figures one more per tag where full
             remat does not fit or fits within `TIGHT` (4) x the uncertainty of the
             limit; with the compile as the oracle one more per tag where its
-            out-of-memory figures put full remat that close),
+            out-of-memory figures put full remat that close; in both, there and before a
+            refusal, one more per tag outside the pool where ``candidates`` is not given),
             ``progress`` (called with one line per compile and the search's plan and
             end), ``band`` (the uncertainty of a prediction before any compile has
             missed, a share of full remat's bytes; 0.02), ``runner_ups`` (how many to
@@ -361,9 +363,11 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
 
     spare = _spare(graph, tags) if plan_options.get("candidates") is None else []
     if spare:
-        progress(f"fit: before it refuses, {len(spare)} compiles more: each tag outside the "
-                 f"candidates alone ({', '.join(c.saved[0] for c in spare)}); where one fits, "
-                 f"at most {len(tags) + 1} more among the sets that hold it")
+        progress(f"fit: {len(spare)} tags outside the candidates "
+                 f"({', '.join(c.saved[0] for c in spare)}) are compiled alone too, one "
+                 "compile more each where full remat does not fit or fits that close, and "
+                 "before a refusal; where one fits, the sets that hold it join the "
+                 "candidates" + ("" if max_compiles is None else " (within max_compiles)"))
     search = _Search(cands, measure, limit, budget, band, stretch, progress,
                      budget_given=max_compiles is not None, spare=spare,
                      beside=lambda t: [c for c in _candidates(graph, (*tags, t), False)
@@ -381,7 +385,8 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
         raise NoFitError(_no_fit(probes, limit, hbm, held, search.oracle)
                          + (f" Also: {search.noticed}." if search.noticed else ""))
     notes = [f"search: {search.stop}"]
-    cheaper = _fewest_ops(best, [c for c in cands if search.fits(c.saved)], results)
+    cheaper = _fewest_ops(best, [c for c in search.candidates if search.fits(c.saved)],
+                          results)
     if cheaper is not best:
         notes.append(f"{_what(cheaper.saved)} compiles to fewer FLOPs and transcendentals "
                      f"({_ops(results[cheaper.saved]) / 1e9:.4g} G) than "
@@ -434,7 +439,7 @@ def _fewest_ops(best: _Candidate, fitted: Sequence[_Candidate],
     if not fitted or not all(f > 0 for f in ops.values()):  # NaN: no count
         return best
     least = min(fitted, key=lambda c: (ops[c.saved], c.recompute))
-    return least if ops[least.saved] < ops[best.saved] else best
+    return least if ops[least.saved] < ops.get(best.saved, _ops(results[best.saved])) else best
 
 
 def _ops(r: _Compiled) -> float:
@@ -575,7 +580,7 @@ class FitPreview:
     step_flops: float
     stretch: int = 0
     tight: bool | None = None  # full remat over or within TIGHT x the uncertainty (band)
-    spare: tuple[str, ...] = ()  # tags outside the pool, each compiled alone before a refusal
+    spare: tuple[str, ...] = ()  # tags outside the pool, compiled alone (`_Search.spare`)
 
     def to_dict(self) -> dict[str, Any]:
         return {"limit_bytes": self.limit_bytes, "tags": list(self.tags),
@@ -613,9 +618,9 @@ class FitPreview:
                          f"close: at most {self.max_compiles + self.tight * self.stretch} "
                          "compiles")
         if self.spare:
-            lines.append(f"dry run: where nothing compiled fits, {len(self.spare)} more "
-                         f"before it refuses: {', '.join(self.spare)}, each alone (where one "
-                         f"fits, at most {len(self.tags) + 1} more beside it)")
+            lines.append(f"dry run: tags outside the candidates, each compiled alone where "
+                         f"full remat does not fit or fits tightly, and before a refusal: "
+                         f"{', '.join(self.spare)} (where one fits, the sets beside it too)")
         return "\n".join(lines)
 
 

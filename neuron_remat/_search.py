@@ -245,8 +245,10 @@ class _Search:
     stop: str = ""
     noticed: str = ""
     spare: list[_Candidate] = dataclasses.field(default_factory=list)
-    """Sets of one tag outside `candidates` (tags the trace says are not worth deciding),
-    compiled only before the search would end with nothing that fits (`_last_resort`)."""
+    """Sets of one tag outside `candidates` (tags the trace says are not worth deciding):
+    each compiled once where the rescue explores (after every tag, one compile more each),
+    and before the search would end with nothing that fits (`_last_resort`); one that fits
+    joins the candidates with the sets beside it (`_adopt`)."""
     beside: Callable[[str], list[_Candidate]] | None = None
     """For a spare tag, the save sets that hold it beside the candidates' tags (`_fit`
     builds them from the step's graph): where the tag alone fits, the walk goes on among
@@ -284,7 +286,19 @@ class _Search:
                 self.sigma = max(NARROW * self.sigma, self._floor)
         if self._figure(got) is not None and self.points():
             self.model = _Model.calibrate(self.points())
+        if c in self.spare and not got.over(self.limit):
+            self._adopt(c)
         return got
+
+    def _adopt(self, c: _Candidate) -> None:
+        """A `spare` set (a tag outside the candidates, alone) fits: it and the sets that
+        hold its tag beside the candidates' tags (`beside`) become candidates; its effect
+        on the compiled bytes is one more tag's (`_tag_effect`), read from its compile."""
+        more = [] if self.beside is None else [
+            d for d in self.beside(c.saved[0]) if d.saved not in self._by]
+        self.candidates = sorted([*self.candidates, c, *more], key=_order)
+        self._by.update({d.saved: d for d in more})
+        self._corr, self._gp_key = None, None
 
     def _figure(self, r: _Compiled) -> int | None:
         """A compile's bytes: memory_analysis()'s, or the figure an out-of-memory error
@@ -449,16 +463,10 @@ class _Search:
         best = min(fitted, key=lambda c: (c.recompute, c.stored))
         self.stop = (f"{why}; as a last resort, {_what(best.saved)}, a tag outside the "
                      "candidates, fits")
-        more = [] if self.beside is None else [
-            c for c in self.beside(best.saved[0]) if c.saved not in self._by]
-        if not more or (self.budget_given and self.used >= self.max_compiles):
+        if self.beside is None or (self.budget_given and self.used >= self.max_compiles):
             return best
-        # walk on among the sets that hold it: its effect on the compiled bytes is one
-        # more tag's (`_tag_effect`), read from its compile alone; one compile more per tag
-        # of those sets, as the rescue's stretch (a budget the caller gave holds)
-        self.candidates = sorted([*self.candidates, best, *more], key=_order)
-        self._by.update({c.saved: c for c in more})
-        self._corr, self._gp_key = None, None
+        # walk on among the sets that hold it (`_adopt` made them candidates): one compile
+        # more per tag of those sets, as the rescue's stretch (a caller's budget holds)
         if not self.budget_given:
             self.max_compiles = self.used + len(self._alike()[0])
         found = self._walk()
@@ -696,15 +704,19 @@ class _Search:
         """With the compile as the oracle and fit's own budget: when the model the
         out-of-memory figures calibrated puts full remat within `TIGHT` x the uncertainty
         of the limit (`_tight_by_figures`), `stretch` compiles more, as `_rescue` has with
-        memory figures there, and while nothing better than full remat fits, each tag
-        alone first (`_each_tag_alone`), as `_rescue` does. Whether it gave them."""
+        memory figures there, and as `_rescue` does, each `spare` tag alone (one compile
+        more each), then while nothing better than full remat fits, each tag alone
+        (`_each_tag_alone`). Whether it gave them."""
         if self.model is None or self.budget_given or not self._tight_by_figures():
             return False
-        self.max_compiles += self.stretch
+        self.max_compiles += self.stretch + len(self.spare)
         self.log(f"fit: the out-of-memory figures put full remat within {TIGHT:g} x the "
                  f"uncertainty of the limit, where the model cannot rank the sets: "
-                 f"{self.stretch} compiles more, as with memory figures (at most "
-                 f"{self.max_compiles})")
+                 f"{self.stretch + len(self.spare)} compiles more, as with memory figures "
+                 f"(at most {self.max_compiles})")
+        for c in sorted(self.spare, key=lambda c: (c.stored, c.saved)):
+            if self.used < self.max_compiles and c.saved not in self.compiled:
+                self._measure(c)  # a set that fits joins the candidates (`_adopt`)
         best = self.best()
         if best is not None and best.saved == ():
             self._each_tag_alone()
@@ -782,9 +794,11 @@ class _Search:
         and the drop comes with particular tags (saving one that cuts a layer's recompute
         in two), not with the smallest. First every tag (the model's second point; on a
         step whose memory does not follow the kept bytes, as likely to fit as any set,
-        and the search stops there when it shows that); then each tag alone, most likely
-        to fit first, until each has been compiled alone; then any set, most likely
-        first. The first that fits hands over to the walk, with what is left of the
+        and the search stops there when it shows that); then each `spare` tag alone (one
+        compile more each: where one fits, the walk goes on among the sets beside it);
+        then each tag alone, most likely to fit first, until each has been compiled
+        alone; then any set, most likely first. The first that fits hands over to the
+        walk, with what is left of the
         rescue's budget (`max_compiles` + `stretch`; with the compile as the oracle,
         `_oracle_cap`, on the model its out-of-memory figures calibrated)."""
         if self.points():  # memory figures, or the out-of-memory error's
@@ -818,6 +832,14 @@ class _Search:
                                     f"full remat but compiles {fmt_bytes(figure - first)} "
                                     "larger")
                 return self.best()
+        if self.spare and not self.budget_given:
+            total += len(self.spare)
+        for c in sorted(self.spare, key=lambda c: (c.stored, c.saved)):
+            if self.used < total and c.saved not in self.compiled:
+                self._measure(c)  # a set that fits joins the candidates (`_adopt`)
+        if any(self.fits(c.saved) for c in self.spare):
+            self.max_compiles = total
+            return self._walk()
         while self.used < total:
             left = [c for c in self.candidates if c.saved not in self.compiled
                     and c.saved is not None]  # no remat keeps the most: never smaller

@@ -541,8 +541,8 @@ def _step_with_a_cheap_tag(policy):
 
 def test_a_tag_outside_the_pool_is_compiled_alone_before_a_refusal():
     """`act` (a tanh's output) is outside fit's pool: saving it saves no FLOP the trace
-    counts. Where nothing compiled fits, `fit` compiles it alone before it refuses (the
-    dry run lists it); with ``candidates`` named, it does not."""
+    counts. Where full remat does not fit, `fit` compiles it alone (announced up front,
+    and listed by the dry run) before it refuses; with ``candidates`` named, it does not."""
     args = ({"a": ARGS[0]["a"], "c": ARGS[0]["c"]}, ARGS[1])
     m = _step_with_a_cheap_tag(
         jax.checkpoint_policies.nothing_saveable).lower(*args).compile().memory_analysis()
@@ -554,7 +554,7 @@ def test_a_tag_outside_the_pool_is_compiled_alone_before_a_refusal():
         nr.fit(_step_with_a_cheap_tag, *args, device=device, reserve=reserve,
                progress=lines.append)
     assert any("search (save act)" in line for line in lines), lines
-    assert any("last resort" in line for line in lines), lines
+    assert any("outside the candidates (act)" in line for line in lines), lines
     preview = F.fit_preview(_step_with_a_cheap_tag, *args, device=device, reserve=reserve)
     assert preview.tags == ("h1",) and preview.spare == ("act",)
     lines.clear()
