@@ -24,7 +24,9 @@ For each step:
    count), refusals while some set fits, and the compiles; then the issue's "done when"
    figures, checked.
 
-``--small``: two steps, three tags, ten sizes. ``--max-compiles N``: `fit` gets that budget
+``--spare``: the brute force also covers each tag outside `fit`'s pool, and `fit` runs
+without ``candidates`` (it compiles those tags where full remat does not fit or fits
+tightly, and before a refusal). ``--small``: two steps, three tags, ten sizes. ``--max-compiles N``: `fit` gets that budget
 instead of its own (its ``max_compiles=``), to tell a miss the budget causes from one its
 model causes (the search stops with compiles left: the best set is not plausible to it).
 """
@@ -346,6 +348,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    help="give fit this compile budget (max_compiles=N, at least 3) instead "
                         "of its own: whether a miss is the budget's or the model's (the "
                         "'<=cap' column still counts the issue's cap)")
+    p.add_argument("--spare", action="store_true",
+                   help="the brute force also covers each tag outside fit's pool (cached as "
+                        "<step>+spare.json; the pool must be whole) and fit runs without "
+                        "candidates, its compiles of those tags on")
     p.add_argument("--steps-module", action="append", default=[], metavar="MODULE",
                    help="also sweep the steps of MODULE.STEPS (a dict name -> step with the "
                         "zoo's Spec protocol, e.g. tests.cpu.maxtext_zoo); repeatable")
@@ -377,8 +383,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         spec = specs[name]
         make_step, step_args = spec.make_step(), spec.abstract_args()
         graph = F.step_graph(make_step, *step_args)
-        pool = SG._pool(graph, None)[:min(max_tags, spec.extra.get("brute_tags", max_tags))]
-        brute = Brute(spec, pool, args.out / "fit_brute" / f"{name}.json")
+        pool = own = SG._pool(graph, None)[:min(max_tags,
+                                                spec.extra.get("brute_tags", max_tags))]
+        path = args.out / "fit_brute" / f"{name}.json"
+        if args.spare:
+            if len(pool) < len(SG._pool(graph, None)):
+                raise SystemExit(f"fit_sweep: {name}: --spare needs the whole pool in the "
+                                 "brute force")
+            pool = (*pool, *(c.saved[0] for c in F._spare(graph, pool)))
+            path = args.out / "fit_brute" / f"{name}+spare.json"
+        brute = Brute(spec, pool, path)
         say(f"{name} ({spec.split}): tags {', '.join(pool)}")
         if args.cached_only:
             k = brute.complete_prefix()
@@ -398,9 +412,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "full_remat_bytes": brute.get(())["bytes"],
                 "no_remat_bytes": brute.get(None)["bytes"], "modes": {}}
         sizes = _sizes(brute, n_sizes)
-        n_front = len(SR._frontier(SR._candidates(graph, pool)))
+        n_front = len(SR._frontier(SR._candidates(graph, own)))  # fit's pool
         for mode in ("memory_analysis", "oracle"):
-            rows = sweep_step(brute, mode, sizes, graph, F, zoo, args.max_compiles)
+            rows = sweep_step(brute, mode, sizes, graph, F, zoo, args.max_compiles,
+                              args.spare)
             step["modes"][mode] = {"summary": _summary(rows, n_front, mode == "oracle"),
                                    "rows": rows}
         result["steps"][name] = step
