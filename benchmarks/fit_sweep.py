@@ -26,9 +26,10 @@ For each step:
 
 ``--spare``: the brute force also covers each tag outside `fit`'s pool, and `fit` runs
 without ``candidates`` (it compiles those tags where full remat does not fit or fits
-tightly, and before a refusal). ``--small``: two steps, three tags, ten sizes. ``--max-compiles N``: `fit` gets that budget
-instead of its own (its ``max_compiles=``), to tell a miss the budget causes from one its
-model causes (the search stops with compiles left: the best set is not plausible to it).
+tightly, and before a refusal). ``--small``: two steps, three tags, ten sizes.
+``--max-compiles N``: `fit` gets that budget instead of its own (its ``max_compiles=``), to
+tell a miss the budget causes from one its model causes (the search stops with compiles
+left: the best set is not plausible to it).
 """
 
 from __future__ import annotations

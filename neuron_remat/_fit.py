@@ -409,7 +409,7 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
         r = dataclasses.replace(r, bytes=model.predict(best.stored, best.read))
     else:
         model = search.model or _Model(0.0, 1.0, 1.0)
-    if best.saved and not set(best.saved) <= set(tags):  # the last resort's spare tag
+    if best.saved and not set(best.saved) <= set(tags):  # a tag outside the pool (spare)
         tags = (*tags, *best.saved)
     return _make_plan(graph, best, cands, device, hbm, held, limit, probes, model, tags, r,
                       plan_options, measured=measured, extra_notes=notes,
@@ -418,7 +418,8 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
 
 def _spare(graph: StepGraph, tags: Sequence[str]) -> list[_Candidate]:
     """Each tag of the step outside the pool `tags` (not worth deciding by the trace's
-    count; not a second name of a pool tag's value), alone: `_Search._last_resort`."""
+    count; not a second name of a pool tag's value; saving it changes something), alone:
+    `_Search.spare`."""
     second = aliases(graph, graph.tags)
     base = (graph.kept_bytes(()), graph.recompute_flops(()))
     return [_Candidate((t,), graph.kept_bytes((t,)), graph.read_bytes((t,)),
@@ -439,7 +440,8 @@ def _fewest_ops(best: _Candidate, fitted: Sequence[_Candidate],
     if not fitted or not all(f > 0 for f in ops.values()):  # NaN: no count
         return best
     least = min(fitted, key=lambda c: (ops[c.saved], c.recompute))
-    return least if ops[least.saved] < ops.get(best.saved, _ops(results[best.saved])) else best
+    return least if ops[least.saved] < ops.get(best.saved, _ops(results[best.saved])) \
+        else best
 
 
 def _ops(r: _Compiled) -> float:

@@ -798,9 +798,9 @@ class _Search:
         compile more each: where one fits, the walk goes on among the sets beside it);
         then each tag alone, most likely to fit first, until each has been compiled
         alone; then any set, most likely first. The first that fits hands over to the
-        walk, with what is left of the
-        rescue's budget (`max_compiles` + `stretch`; with the compile as the oracle,
-        `_oracle_cap`, on the model its out-of-memory figures calibrated)."""
+        walk, with what is left of the rescue's budget (`max_compiles` + `stretch`, and
+        one per spare tag; with the compile as the oracle, `_oracle_cap`, on the model
+        its out-of-memory figures calibrated)."""
         if self.points():  # memory figures, or the out-of-memory error's
             self.model = _Model.calibrate(self.points())
         else:
