@@ -278,8 +278,8 @@ class _Search:
         self.compiled[c.saved] = got
         self.order.append(c.saved)
         figure = self._figure(got)
-        if figure is not None and predicted is not None:
-            miss = abs(figure - predicted)
+        if figure is not None and predicted is not None and self._known(c.saved):
+            miss = abs(figure - predicted)  # (a spare set's miss is its tag's, not the model's)
             if miss > self.sigma:
                 self.sigma = max(miss, WIDEN * self.sigma)
             else:
@@ -311,8 +311,14 @@ class _Search:
         return None
 
     def points(self) -> list[tuple[int, int, int]]:
+        """(compiled bytes, stored, read) of the compiled candidates with a figure; a
+        `spare` set not adopted stays out (its tag's effect is what made it spare)."""
         return [(b, self._by[s].stored, self._by[s].read) for s, r in self.compiled.items()
-                if s is not None and (b := self._figure(r)) is not None]
+                if s is not None and self._known(s) and (b := self._figure(r)) is not None]
+
+    def _known(self, saved: Any) -> bool:
+        """Whether `saved` is a candidate (spare sets become candidates once adopted)."""
+        return not self.spare or any(c.saved == saved for c in self.candidates)
 
     def fits(self, saved: Any) -> bool:
         r = self.compiled.get(saved)
@@ -351,10 +357,11 @@ class _Search:
         if getattr(self, "_gp_key", None) != key:
             rows = [(s, b - self.model.predict(self._by[s].stored, self._by[s].read))
                     for s, got in self.compiled.items()
-                    if s is not None and (b := self._figure(got)) is not None]
+                    if s is not None and self._known(s) and (b := self._figure(got)) is not None]
             self._gp = self._effects(rows)
             bounds = [(s, room) for s, got in self.compiled.items()
-                      if s and self._figure(got) is None and not got.over(self.limit)
+                      if s and self._known(s) and self._figure(got) is None
+                      and not got.over(self.limit)
                       and self._effect(s)[0] > (room := self.limit - self.model.predict(
                           self._by[s].stored, self._by[s].read))]
             if bounds:
@@ -852,7 +859,7 @@ class _Search:
             if got.bytes is None:  # the compile is the oracle: walk on the error's figures
                 self.oracle = True
                 cap = total if self.budget_given else _oracle_cap(len(_frontier(
-                    self.candidates)))
+                    self.candidates))) + len(self.spare)  # the spare tags' one each
                 if self.model is None or self.used >= cap:
                     break
                 self.max_compiles = cap
