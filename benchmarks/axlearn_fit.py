@@ -18,7 +18,7 @@ A step `fit` refuses to read (a ValueError, e.g. an equation neuron_remat does n
 is reported with the error, the other steps are swept, and the script then exits non-zero.
 ``--small``: three tags, ten sizes; ``--steps A,B``: only these steps; ``--spare``: the brute
 force also covers each tag outside `fit`'s pool (cached as ``<step>+spare.json``) and `fit`
-runs without ``candidates``, its last resort on (`_Search._last_resort`).
+runs without ``candidates``, compiling those tags where it explores (`_Search.spare`).
 """
 
 from __future__ import annotations

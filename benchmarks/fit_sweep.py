@@ -240,7 +240,7 @@ def sweep_step(brute: Brute, mode: str, sizes: Sequence[int], graph: Any,
     """`fit` at each of `sizes` in `mode`, its compiles served from `brute`; with
     `max_compiles`, that budget is fit's (``max_compiles=``) instead of its own. `fit` is
     given the brute force's tags as ``candidates``; with `own_pool`, none (it picks its own
-    pool, and its last resort may compile the tags outside it: `brute` must cover both)."""
+    pool, and may compile the tags outside it: `brute` must cover both)."""
     counter = [0]
     make = cached_make_step(brute, counter)
     real_step_graph = F.step_graph
@@ -388,11 +388,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                                 spec.extra.get("brute_tags", max_tags))]
         path = args.out / "fit_brute" / f"{name}.json"
         if args.spare:
-            if len(pool) < len(SG._pool(graph, None)):
-                raise SystemExit(f"fit_sweep: {name}: --spare needs the whole pool in the "
-                                 "brute force")
-            pool = (*pool, *(c.saved[0] for c in F._spare(graph, pool)))
-            path = args.out / "fit_brute" / f"{name}+spare.json"
+            pool, path = with_spare(name, graph, pool), path.with_name(f"{name}+spare.json")
         brute = Brute(spec, pool, path)
         say(f"{name} ({spec.split}): tags {', '.join(pool)}")
         if args.cached_only:
@@ -434,6 +430,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                     for m in st["modes"].values()) if result["steps"] else 0.0
     text = "\n".join(lines)
     return C.finish(args, NAME, result, text, say)
+
+
+def with_spare(name: str, graph: Any, pool: Sequence[str]) -> tuple[str, ...]:
+    """``--spare``: `pool` (`fit`'s whole pool) and then each tag outside it that `fit`
+    compiles alone (`_fit._spare`); one line naming the step when `pool` is cut short."""
+    F = importlib.import_module("neuron_remat._fit")
+    SG = importlib.import_module("neuron_remat._step")
+    whole = SG._pool(graph, None)  # noqa: SLF001
+    if len(pool) < len(whole):
+        raise SystemExit(f"{name}: --spare needs the whole pool in the brute force "
+                         f"({len(whole)} tags, not {len(pool)})")
+    return (*pool, *(c.saved[0] for c in F._spare(graph, pool)))  # noqa: SLF001
 
 
 def compile_budget(text: str) -> int:

@@ -69,7 +69,7 @@ def real_step_parser(description: str, name: str) -> Any:
                         "of its own, as fit_sweep.py's option")
     p.add_argument("--spare", action="store_true",
                    help="the brute force also covers each tag outside fit's pool (cached "
-                        "apart), and fit runs without candidates, its last resort on")
+                        "apart), and fit runs without candidates, compiling those tags")
     return p
 
 
@@ -116,7 +116,7 @@ def sweep_real_step(name: str, spec: Any, graph: Any, host: str, version: str,
     `brute_dir`, then `fit` at `n_sizes` + 1 sizes in both modes (fit_sweep's sweep). Its
     JSON (None with `brute_only`) and its report lines. With `spare`, the brute force also
     covers every tag outside the pool (``<step>+spare.json``; the pool must be whole) and
-    `fit` runs without ``candidates``, so that its last resort can compile those tags."""
+    `fit` runs without ``candidates``, so that it can compile those tags (`_Search.spare`)."""
     import fit_sweep as FS  # noqa: PLC0415
     import zoo  # noqa: PLC0415
 
@@ -126,11 +126,7 @@ def sweep_real_step(name: str, spec: Any, graph: Any, host: str, version: str,
     pool = own = SG._pool(graph, None)[:max_tags]  # noqa: SLF001
     path = brute_dir / f"{name}.json"
     if spare:
-        if len(pool) < len(SG._pool(graph, None)):  # noqa: SLF001
-            raise SystemExit(f"{name}: --spare needs the whole pool in the brute force "
-                             f"(--tags {len(SG._pool(graph, None))})")  # noqa: SLF001
-        pool = (*pool, *(c.saved[0] for c in F._spare(graph, pool)))  # noqa: SLF001
-        path = brute_dir / f"{name}+spare.json"
+        pool, path = FS.with_spare(name, graph, pool), brute_dir / f"{name}+spare.json"
     say(f"{name}: {host} emits {', '.join(graph.tags)}; brute force over {', '.join(pool)}")
     brute = FS.Brute(spec, pool, path)
     seconds = brute.fill(say)
