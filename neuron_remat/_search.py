@@ -290,6 +290,13 @@ class _Search:
             self._adopt(c)
         return got
 
+    def _compile_spare(self, cap: float) -> None:
+        """Compile each `spare` set not compiled yet, least kept first, while fewer than
+        `cap` compiles are spent; one that fits joins the candidates (`_adopt`)."""
+        for c in sorted(self.spare, key=lambda c: (c.stored, c.saved)):
+            if self.used < cap and c.saved not in self.compiled:
+                self._measure(c)
+
     def _adopt(self, c: _Candidate) -> None:
         """A `spare` set (a tag outside the candidates, alone) fits: it and the sets that
         hold its tag beside the candidates' tags (`beside`) become candidates; its effect
@@ -449,18 +456,14 @@ class _Search:
         spare the backward a large recompute workspace the trace does not see: axlearn's
         ``TopKGating.gate_assignment`` (the top-k indices) compiles 2.61 MiB under full
         remat on XLA:CPU (75.43 MiB) with Fuji's layer and a mixture of experts."""
-        todo = [c for c in sorted(self.spare, key=lambda c: (c.stored, c.saved))
-                if c.saved not in self.compiled]
+        todo = [c for c in self.spare if c.saved not in self.compiled]
         if not todo or (self.budget_given and self.used >= self.max_compiles):
             return None
         why = self.stop
         self.log(f"fit: nothing compiled fits; as a last resort, each of the {len(todo)} "
                  "tags outside the candidates alone (the trace says they save little, but "
                  "their saving may spare the backward a workspace)")
-        for c in todo:
-            if self.budget_given and self.used >= self.max_compiles:
-                break
-            self._measure(c)
+        self._compile_spare(self.max_compiles if self.budget_given else math.inf)
         fitted = [c for c in todo if self.fits(c.saved)]
         if not fitted:
             self.stop = (f"{why}; no tag outside the candidates, saved alone, fits either"
@@ -721,9 +724,7 @@ class _Search:
                  f"uncertainty of the limit, where the model cannot rank the sets: "
                  f"{self.stretch + len(self.spare)} compiles more, as with memory figures "
                  f"(at most {self.max_compiles})")
-        for c in sorted(self.spare, key=lambda c: (c.stored, c.saved)):
-            if self.used < self.max_compiles and c.saved not in self.compiled:
-                self._measure(c)  # a set that fits joins the candidates (`_adopt`)
+        self._compile_spare(self.max_compiles)
         best = self.best()
         if best is not None and best.saved == ():
             self._each_tag_alone()
@@ -841,9 +842,7 @@ class _Search:
                 return self.best()
         if self.spare and not self.budget_given:
             total += len(self.spare)
-        for c in sorted(self.spare, key=lambda c: (c.stored, c.saved)):
-            if self.used < total and c.saved not in self.compiled:
-                self._measure(c)  # a set that fits joins the candidates (`_adopt`)
+        self._compile_spare(total)
         if any(self.fits(c.saved) for c in self.spare):
             self.max_compiles = total
             return self._walk()

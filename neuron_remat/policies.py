@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-import jax
 from jax.ad_checkpoint import Offloadable, Recompute, Saveable
 
 from . import _jax_compat, _regex, models
