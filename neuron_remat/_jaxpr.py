@@ -412,8 +412,6 @@ def eqn_flops(eqn: Any) -> int:
         y = int(eqn.params.get("y", 2))
         per = max(1, abs(y).bit_length() - 1 + bin(abs(y)).count("1") - 1) + (y < 0)
         return per * int(math.prod(eqn.outvars[0].aval.shape))
-    if name == "convert_element_type" and eqn.invars[0].aval.dtype == eqn.outvars[0].aval.dtype:
-        return 0  # a weak-type change: no instruction
     out = eqn.outvars[0].aval if eqn.outvars else None
     return int(math.prod(getattr(out, "shape", ()))) if out is not None else 0
 
@@ -429,10 +427,13 @@ def _folded(eqn: Any, name: str) -> bool:
     """Whether XLA does no arithmetic for `eqn`: every operand a literal (constant
     folding: MaxText converts a Python scalar to bfloat16), or an identity with a literal
     (`_IDENTITY`: MaxText's causal mask adds an offset of 0 to an iota, its norms add 0.0
-    to a scale) whose other operand already has the output's shape and dtype."""
+    to a scale) whose other operand already has the output's shape and dtype, or a
+    conversion to the dtype it has (a weak-type change: no instruction)."""
     ins = eqn.invars
     if ins and all(isinstance(v, jc.Literal) for v in ins):
         return True
+    if name == "convert_element_type":
+        return ins[0].aval.dtype == eqn.outvars[0].aval.dtype
     ident = _IDENTITY.get(name)
     if ident is None or len(ins) != 2:
         return False
