@@ -107,9 +107,9 @@ from ._compile import (OOM_SIGNALS, CompileFailedError, Probe, _Compiled, _polic
                        compile_named, out_of_memory)
 from ._format import fmt_bytes, grid, tag_list
 from ._mix import MIX_COMPILES, fit_per_layer
-from ._search import (DEFAULT_BAND, FLOOR, NO_REMAT, TIGHT, _Candidate, _candidates, _frontier,
-                      _max_compiles, _Model, _oracle_cap, _PolicyIgnored, _Search, _stretch,
-                      _what)
+from ._search import (DEFAULT_BAND, FLOOR, NO_REMAT, TIGHT, _Candidate, _candidate,
+                      _candidates, _frontier, _max_compiles, _Model, _oracle_cap,
+                      _PolicyIgnored, _Search, _stretch, _what)
 from ._step import (LayerBackward, StepGraph, StepTraceError, _named, _pool, aliases,
                     step_graph)
 from .device import DeviceSpec, as_device
@@ -421,11 +421,10 @@ def _spare(graph: StepGraph, tags: Sequence[str]) -> list[_Candidate]:
     count; not a second name of a pool tag's value; saving it changes something), alone:
     `_Search.spare`."""
     second = aliases(graph, graph.tags)
-    base = (graph.kept_bytes(()), graph.recompute_flops(()))
-    return [_Candidate((t,), graph.kept_bytes((t,)), graph.read_bytes((t,)),
-                       graph.recompute_flops((t,)), graph.stored_bytes((t,)))
-            for t in graph.tags if t not in tags and second.get(t) not in tags
-            and (graph.kept_bytes((t,)), graph.recompute_flops((t,))) != base]
+    full = _candidate(graph, ())
+    alone = [_candidate(graph, (t,)) for t in graph.tags
+             if t not in tags and second.get(t) not in tags]
+    return [c for c in alone if (c.kept, c.recompute) != (full.kept, full.recompute)]
 
 
 def _fewest_ops(best: _Candidate, fitted: Sequence[_Candidate],

@@ -182,15 +182,18 @@ def _candidates(graph: StepGraph, tags: Sequence[str], no_remat: bool = True
                 ) -> list[_Candidate]:
     """Every subset of `tags` and no remat, least recompute first. Sets with equal kept
     bytes and recompute stay apart: XLA may lay them out differently."""
-    found = []
-    for r in range(len(tags) + 1):
-        for subset in itertools.combinations(tags, r):
-            found.append(_Candidate(subset, graph.kept_bytes(subset), graph.read_bytes(subset),
-                                    graph.recompute_flops(subset), graph.stored_bytes(subset)))
+    found = [_candidate(graph, subset) for r in range(len(tags) + 1)
+             for subset in itertools.combinations(tags, r)]
     if no_remat:
         found.append(_Candidate(None, graph.no_remat_kept_bytes(), 0, 0,
                                 graph.no_remat_kept_bytes(stored=True)))
     return sorted(found, key=_order)
+
+
+def _candidate(graph: StepGraph, saved: tuple[str, ...]) -> _Candidate:
+    """The save set `saved` as the step graph figures it."""
+    return _Candidate(saved, graph.kept_bytes(saved), graph.read_bytes(saved),
+                      graph.recompute_flops(saved), graph.stored_bytes(saved))
 
 
 def _order(c: _Candidate) -> tuple[Any, ...]:
