@@ -25,7 +25,7 @@ import neuron_remat as nr
 from neuron_remat import _trace, graph as gr, memory_model as mm, models, planner
 from neuron_remat import policies as pol
 import reference as ref
-from xla_figures import jax_kept_bytes
+from xla_figures import jax_kept_bytes, scan_step_flops
 
 CFG = models.TransformerConfig(hidden=64, heads=4, kv_heads=2, ffn=256, layers=2, vocab=64,
                                name="tiny-gqa")
@@ -162,14 +162,7 @@ def test_a_value_a_jit_and_the_code_around_it_read_costs_what_jax_and_xla_count(
     fp = nr.traced_footprint(_read_in_and_around_a_jit, x, w, activation_argnums=0)
 
     def step_flops(policy):
-        f = _read_in_and_around_a_jit
-        f = f if policy is None else jax.checkpoint(f, policy=policy)
-
-        def loss(x, ws):
-            return jax.lax.scan(lambda h, w: (f(h, w), None), x, ws)[0].sum()
-
-        cost = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, jnp.stack([w, w])).cost_analysis()
-        return (cost[0] if isinstance(cost, list) else cost)["flops"]
+        return scan_step_flops(_read_in_and_around_a_jit, policy, x, w)
 
     base = step_flops(None)
     for subset in _subsets(["t", "u"]):

@@ -12,6 +12,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name as cn
 
 import neuron_remat as nr
+from xla_figures import scan_step_flops
 
 T, D, F, E = 16, 32, 48, 4
 
@@ -30,14 +31,7 @@ P = {"router": jnp.ones((D, E)) + jnp.arange(E), "w1": jnp.ones((E, D, F)),
 
 
 def _xla_step_flops(layer, policy, params=P, x=X) -> float:
-    f = layer if policy is None else jax.checkpoint(layer, policy=policy)
-    ps = jax.tree.map(lambda a: jnp.stack([a, a]), params)
-
-    def loss(x, ps):
-        return jax.lax.scan(lambda h, q: (f(h, q), None), x, ps)[0].sum()
-
-    c = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, ps).cost_analysis()
-    return (c[0] if isinstance(c, list) else c)["flops"]
+    return scan_step_flops(layer, policy, x, params)
 
 
 @pytest.mark.parametrize("mode", [None, "clip"])

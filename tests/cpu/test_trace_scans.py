@@ -20,7 +20,7 @@ from jax.ad_checkpoint import checkpoint_name as cn
 import neuron_remat as nr
 
 from neuron_remat.policies import RegexPolicy
-from xla_figures import jax_kept_bytes
+from xla_figures import jax_kept_bytes, scan_step_flops
 
 
 def _inner_loop(x, w):  # three applications of one sub-block
@@ -231,15 +231,8 @@ REMAT3 = bool(getattr(jax.config, "jax_remat3", False))
 
 
 def _xla_step_flops(layer, p, saved=None) -> float:
-    f = layer if saved is None else jax.checkpoint(
-        layer, policy=jax.checkpoint_policies.save_only_these_names(*saved))
-    ps = jax.tree.map(lambda a: jnp.stack([a, a]), p)
-
-    def loss(x, ps):
-        return jax.lax.scan(lambda h, q: (f(h, q), None), x, ps)[0].sum()
-
-    cost = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(XR, ps).cost_analysis()
-    return (cost[0] if isinstance(cost, list) else cost)["flops"]
+    return scan_step_flops(layer, None if saved is None else
+                           jax.checkpoint_policies.save_only_these_names(*saved), XR, p)
 
 
 @pytest.mark.parametrize("name", list(RECURRENT))

@@ -38,6 +38,25 @@ def measure(step: Any, args: Any) -> tuple[int, float]:
     return compiled_bytes(c), compiled_flops(c)
 
 
+def scan_step_flops(layer: Any, policy: Any, x: Any, params: Any) -> float:
+    """XLA's FLOPs (the lowered program's ``cost_analysis()``) of the gradient, with
+    respect to the input and both layers' parameters, of a sum over a scan of two
+    ``layer(h, params)`` (`params` stacked twice), each layer ``jax.checkpoint``ed with
+    `policy` (None: not checkpointed). XLA counts a scan body once, so a policy's figure
+    less no remat's is one layer's recompute."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    f = layer if policy is None else jax.checkpoint(layer, policy=policy)
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a]), params)
+
+    def loss(h: Any, ps: Any) -> Any:
+        return jax.lax.scan(lambda c, q: (f(c, q), None), h, ps)[0].sum()
+
+    cost = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, stacked).cost_analysis()
+    return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
+
+
 def jax_kept_bytes(fn: Any, args: Any, activation: int = 0) -> int:
     """The bytes JAX keeps for `fn`'s backward (``saved_residuals``), the arguments left out
     but the activation (argument `activation`, named as `fn`'s signature names it): what a
