@@ -77,6 +77,18 @@ def parser(description: str, name: str) -> argparse.ArgumentParser:
     return p
 
 
+def host_devices(n: int) -> None:
+    """Before JAX's backend starts (importing JAX does not start it): XLA:CPU makes `n`
+    devices (a step laid out over several). One line when XLA_FLAGS says another count."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" in flags:
+        if f"xla_force_host_platform_device_count={n}" not in flags:
+            raise SystemExit(f"--host-devices {n}: XLA_FLAGS already sets another device "
+                             f"count ({flags!r})")
+        return
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
 def prepare_compiles() -> None:
     """Before JAX starts: XLA:CPU's LLVM optimisation off unless XLA_FLAGS sets it (memory and
     cost analysis are the same either way, compiles cheaper), and this checkout's

@@ -356,8 +356,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--steps-module", action="append", default=[], metavar="MODULE",
                    help="also sweep the steps of MODULE.STEPS (a dict name -> step with the "
                         "zoo's Spec protocol, e.g. tests.cpu.maxtext_zoo); repeatable")
+    p.add_argument("--host-devices", type=device_count, default=None, metavar="N",
+                   help="XLA:CPU makes N devices (XLA_FLAGS' "
+                        "--xla_force_host_platform_device_count, set before JAX starts): "
+                        "for steps laid out over several, e.g. tests.cpu.sharded_zoo's")
     args = p.parse_args(argv)
     say = C.Printer(args.quiet)
+    if args.host_devices:
+        C.host_devices(args.host_devices)
     C.prepare_compiles()
     import neuron_remat as nr  # noqa: PLC0415, F401
 
@@ -450,6 +456,13 @@ def compile_budget(text: str) -> int:
     from neuron_remat.cli import _count  # noqa: PLC0415
 
     return _count(3, what="a compile budget")(text)
+
+
+def device_count(text: str) -> int:
+    """``--host-devices``: an int of at least 1, checked as the CLI checks its counts."""
+    from neuron_remat.cli import _count  # noqa: PLC0415
+
+    return _count(1, what="a device count")(text)
 
 
 def tag_count(text: str) -> int:

@@ -109,18 +109,48 @@ def out_of_memory(err: BaseException) -> tuple[bool, int | None]:
     return True, (int(max(figures)) if figures else None)
 
 
-def _fixed_bytes(lowered: Any, args: Sequence[Any]) -> int | None:
+def _fixed_bytes(lowered: Any, args: Sequence[Any], compiled: Any = None) -> int | None:
     """Arguments + outputs - donated arguments: what the step holds whatever the policy,
-    donated state counted once."""
+    donated state counted once; per core where the arguments are sharded (the compiled
+    program's input shardings, else the arguments' own; the outputs beyond the donated
+    state, a loss and metrics, count whole)."""
     try:
         infos = jax.tree.leaves(lowered.args_info)
         outs = jax.tree.leaves(lowered.out_info)
-        arg = sum(_aval_bytes(i._aval) for i in infos)  # noqa: SLF001
-        donated = sum(_aval_bytes(i._aval) for i in infos if i.donated)  # noqa: SLF001
+        sizes = [_aval_bytes(i._aval) for i in infos]  # noqa: SLF001
+        donated = sum(b for b, i in zip(sizes, infos) if i.donated)
         out = sum(_aval_bytes(o) for o in outs)
     except Exception:  # noqa: BLE001 - a wrapper without the lowering's metadata
         return None
-    return arg + out - min(donated, out)
+    extra = out - min(donated, out)
+    shardings = _input_shardings(compiled, args, len(infos))
+    if shardings is not None:
+        sizes = [_piece(b, s, i._aval) for b, s, i in zip(sizes, shardings, infos)]  # noqa: SLF001
+    return sum(sizes) + extra
+
+
+def _input_shardings(compiled: Any, args: Sequence[Any], n: int) -> list[Any] | None:
+    """One sharding (or None) per argument leaf: the compiled program's, else the
+    arguments' own; None when neither lines up with the `n` leaves."""
+    try:
+        found = jax.tree.leaves(compiled.input_shardings)
+        if len(found) == n:
+            return found
+    except Exception:  # noqa: BLE001 - not compiled, or a wrapper without them
+        pass
+    leaves = jax.tree.leaves(args)
+    return [getattr(a, "sharding", None) for a in leaves] if len(leaves) == n else None
+
+
+def _piece(nbytes: int, sharding: Any, aval: Any) -> int:
+    """What one core holds of an argument of `nbytes` laid out by `sharding`."""
+    try:
+        shape = tuple(aval.shape)
+        piece = math.prod(sharding.shard_shape(shape))
+    except Exception:  # noqa: BLE001 - no sharding, or not one of JAX's
+        return nbytes
+    whole = math.prod(shape)
+    return nbytes if not whole or not piece else -(-nbytes * piece // whole)
 
 
 def _figures(mem: Any, fields: Sequence[str]) -> tuple[int, ...] | None:
@@ -156,7 +186,6 @@ def _unwrapped(compiled: Any) -> Any:
 def _compile(step: Any, args: Sequence[Any]) -> _Compiled:
     start = time.perf_counter()
     lowered = _jitted(step).lower(*args)
-    fixed = _fixed_bytes(lowered, args)
     try:
         compiled = lowered.compile()
     except Exception as err:
@@ -164,9 +193,10 @@ def _compile(step: Any, args: Sequence[Any]) -> _Compiled:
         if not oom:
             raise
         return _Compiled(None, 0, 0, 0, 0, float("nan"), time.perf_counter() - start,
-                         oom=True, reported=figure, fixed=fixed)
+                         oom=True, reported=figure, fixed=_fixed_bytes(lowered, args))
     seconds = time.perf_counter() - start
     compiled = _unwrapped(compiled)
+    fixed = _fixed_bytes(lowered, args, compiled)
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
               "alias_size_in_bytes")
     try:

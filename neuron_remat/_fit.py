@@ -11,7 +11,10 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    cotangents. The equations that do not depend on the cotangents are the recomputation,
    the others the backward proper, and the recomputed values the backward reads are what
    any policy must either keep or recompute. That makes one exact `graph.LayerGraph` per
-   layer: for every save set, the bytes kept and the FLOPs recomputed, jointly;
+   layer: for every save set, the bytes kept and the FLOPs recomputed, jointly. Per core:
+   a step the compiler partitions over several devices (a jit over a mesh) has global
+   shapes in its jaxpr, and a value outside a ``shard_map`` counts 1/n of them, n the most
+   pieces any input of the step is split into (`_step._shards`);
 2. AOT-compiles full remat and every useful tag saved (``jit(step).lower(*args).compile()``),
    reads ``memory_analysis()`` (argument + output + temp - alias) and ``cost_analysis()``,
    and calibrates ``bytes(S) = fixed + scale x kept(S) + slope x read(S)``: kept(S) the
@@ -361,6 +364,8 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
                  f"{r.seconds:.1f} s")
         return r
 
+    if graph.shards > 1:
+        progress(f"fit: {_shards_note(graph.shards)}")
     spare = _spare(graph, tags) if plan_options.get("candidates") is None else []
     if spare:
         progress(f"fit: {len(spare)} tags outside the candidates "
@@ -385,6 +390,8 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
         raise NoFitError(_no_fit(probes, limit, hbm, held, search.oracle)
                          + (f" Also: {search.noticed}." if search.noticed else ""))
     notes = [f"search: {search.stop}"]
+    if graph.shards > 1:
+        notes.append(_shards_note(graph.shards))
     cheaper = _fewest_ops(best, [c for c in search.candidates if search.fits(c.saved)],
                           results)
     if cheaper is not best:
@@ -414,6 +421,13 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
     return _make_plan(graph, best, cands, device, hbm, held, limit, probes, model, tags, r,
                       plan_options, measured=measured, extra_notes=notes,
                       over={s for s, c in results.items() if c.over(limit)}, stop=search.stop)
+
+
+def _shards_note(shards: int) -> str:
+    return (f"the step's inputs are split {shards} ways over its devices: the traced bytes "
+            f"and FLOPs (global shapes) count 1/{shards} per core, as memory_analysis() "
+            "reports one core's (exact where the activations are split as the batch is; "
+            "the compiles calibrate the rest)")
 
 
 def _spare(graph: StepGraph, tags: Sequence[str]) -> list[_Candidate]:
@@ -582,9 +596,10 @@ class FitPreview:
     stretch: int = 0
     tight: bool | None = None  # full remat over or within TIGHT x the uncertainty (band)
     spare: tuple[str, ...] = ()  # tags outside the pool, compiled alone (`_Search.spare`)
+    shards: int = 1  # the pieces the step's values are split into (`_step._shards`)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"limit_bytes": self.limit_bytes, "tags": list(self.tags),
+        return {"limit_bytes": self.limit_bytes, "tags": list(self.tags), "shards": self.shards,
                 "max_compiles": self.max_compiles, "stretch": self.stretch,
                 "tight": self.tight, "measured": self.measured, "spare": list(self.spare),
                 "step_flops": self.step_flops,
@@ -622,6 +637,8 @@ class FitPreview:
             lines.append(f"dry run: tags outside the candidates, each compiled alone where "
                          f"full remat does not fit or fits tightly, and before a refusal: "
                          f"{', '.join(self.spare)} (where one fits, the sets beside it too)")
+        if self.shards > 1:
+            lines.append(f"dry run: {_shards_note(self.shards)}")
         return "\n".join(lines)
 
 
@@ -656,7 +673,7 @@ def fit_preview(make_step: Callable[[Any], Any], *args: Any,
                             for c in front), budget, measured, float(graph.no_remat_flops),
                       _stretch(len(tags), budget_given=max_compiles is not None), tight,
                       tuple(c.saved[0] for c in _spare(graph, tags))
-                      if plan_options.get("candidates") is None else ())
+                      if plan_options.get("candidates") is None else (), graph.shards)
 
 
 def fit_table(plan: Plan) -> str:

@@ -9,12 +9,14 @@ cotangents are the recomputation, the others the backward proper, and the recomp
 values the backward reads are what any policy must either keep or recompute. That makes
 one exact `graph.LayerGraph` per layer (`LayerBackward`): for every save set, the bytes
 kept and the FLOPs recomputed, jointly; `StepGraph` sums them over the step's layers, in
-JAX's bytes and as the backend stores them (`STORED_ITEMSIZE`). `_pool` picks the tags
-worth deciding.
+JAX's bytes and as the backend stores them (`STORED_ITEMSIZE`), per core: a jit over
+several devices traces global shapes, and its values count 1/`_shards` of them. `_pool`
+picks the tags worth deciding.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,7 +120,7 @@ class LayerBackward:
                    if v not in params)
 
 
-def _layer_backward(body: Any, count: int) -> LayerBackward:
+def _layer_backward(body: Any, count: int, shards: int = 1) -> LayerBackward:
     """The graph of one transposed remat body (`_trace.jaxpr_graph`): the cotangents are
     unknown; of the residuals, those shaped like a cotangent are the layer's activations
     (the carry), the others its parameters."""
@@ -128,7 +130,7 @@ def _layer_backward(body: Any, count: int) -> LayerBackward:
     activation = [(tuple(v.aval.shape), str(v.aval.dtype)) in ct_avals
                   for v in body.invars[:n_res]] + [False] * n_ct
     graph = _trace.jaxpr_graph(body, unknown=[False] * n_res + [True] * n_ct,
-                               activation=activation)
+                               activation=activation, shards=shards)
     tags = tuple(dict.fromkeys(v.role for v in graph.values.values() if v.role is not None))
     return LayerBackward(graph, count, tags, graph.needed())
 
@@ -144,13 +146,16 @@ def _remat_bodies(jaxpr: Any, mult: int = 1) -> Iterable[tuple[Any, int]]:
 
 @dataclass(frozen=True)
 class StepGraph:
-    """Every checkpointed layer's backward in one training step."""
+    """Every checkpointed layer's backward in one training step, per core."""
 
     layers: tuple[LayerBackward, ...]
     tags: tuple[str, ...]
     no_remat_flops: int  # the step's FLOPs without remat (jaxpr count, scans multiplied)
     # bytes per element the compiling backend stores, where not the dtype's (STORED_ITEMSIZE)
     itemsizes: Mapping[str, int] = field(default_factory=dict)
+    # the pieces the compiler splits the step's values into (`_shards`): every byte and FLOP
+    # here is one core's
+    shards: int = 1
 
     @property
     def count(self) -> int:
@@ -219,14 +224,15 @@ def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
     implementation the host really runs."""
     with remat3_off():
         try:
-            closed = _traced(make_step(save_only_these_names()), args)
+            closed, shardings = _traced(make_step(save_only_these_names()), args)
         except Exception as err:  # noqa: BLE001  the user's step, failing as it will
             raise StepTraceError(
                 f"make_step(policy)(*args) raised {type(err).__name__} when traced: "
                 f"{first_line(err)} "
                 "(make_step takes a JAX remat policy and returns the training step, which "
                 "is called with the args given)") from err
-    layers = [_layer_backward(body, m) for body, m in _remat_bodies(closed.jaxpr)]
+    shards = _shards([*shardings, *_constraints(closed.jaxpr)])
+    layers = [_layer_backward(body, m, shards) for body, m in _remat_bodies(closed.jaxpr)]
     if not layers:
         raise ValueError(
             "make_step(policy) built a step with no checkpointed layer: its jaxpr holds no "
@@ -239,23 +245,73 @@ def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
     # keeps nothing and saves nothing, and the plan says so).
     tags.update((e.params["name"], None) for e, _ in _jaxpr._walk(closed.jaxpr)
                 if _jaxpr.is_name_primitive(e.primitive))
-    no_remat = _traced(make_step(jax.checkpoint_policies.everything_saveable), args)
-    return StepGraph(tuple(layers), tuple(tags), _jaxpr.jaxpr_cost(no_remat.jaxpr).flops,
-                     STORED_ITEMSIZE.get(jax.default_backend(), {}))
+    no_remat, _ = _traced(make_step(jax.checkpoint_policies.everything_saveable), args)
+    return StepGraph(tuple(layers), tuple(tags), _per_core_flops(no_remat.jaxpr, shards),
+                     STORED_ITEMSIZE.get(jax.default_backend(), {}), shards)
 
 
-def _traced(step: Any, args: Sequence[Any]) -> Any:
-    """The step's closed jaxpr as its jit traces it: a ``jax.jit`` with static arguments
-    keeps them static (``make_jaxpr`` would make every argument a tracer); a wrapper whose
-    ``trace`` is not JAX's (``nnx.jit``'s gives no jaxpr) or that has none
-    (``eqx.filter_jit``) is traced through ``make_jaxpr``."""
+def _traced(step: Any, args: Sequence[Any]) -> tuple[Any, list[tuple[Any, tuple[int, ...]]]]:
+    """The step's closed jaxpr as its jit traces it, and the shardings its inputs are given
+    (each with the input's global shape: the arguments' own, and the jit's
+    ``in_shardings``). A ``jax.jit`` with static arguments keeps them static
+    (``make_jaxpr`` would make every argument a tracer); a wrapper whose ``trace`` is not
+    JAX's (``nnx.jit``'s gives no jaxpr) or that has none (``eqx.filter_jit``) is traced
+    through ``make_jaxpr``."""
+    given = [(getattr(leaf, "sharding", None), tuple(getattr(leaf, "shape", ())))
+             for leaf in jax.tree.leaves(args)]
     jitted = _jitted(step)
     trace = getattr(jitted, "trace", None)
     if callable(trace):
-        closed = getattr(trace(*args), "jaxpr", None)
+        traced = trace(*args)
+        closed = getattr(traced, "jaxpr", None)
         if closed is not None and hasattr(closed, "jaxpr"):  # a ClosedJaxpr
-            return closed
-    return jax.make_jaxpr(jitted)(*args)
+            # the jit's own in_shardings (JAX keeps them with the traced call's parameters)
+            params = getattr(traced, "_params", None)
+            declared = params.get("in_shardings", ()) if isinstance(params, dict) else ()
+            if len(declared) == len(closed.in_avals):
+                given += [(s, tuple(a.shape)) for s, a in zip(declared, closed.in_avals)]
+            return closed, given
+    return jax.make_jaxpr(jitted)(*args), given
+
+
+def _constraints(jaxpr: Any) -> list[tuple[Any, tuple[int, ...]]]:
+    """The shardings the step's ``with_sharding_constraint``s give, with their operands'
+    global shapes (MaxText and axlearn constrain their activations so)."""
+    return [(e.params.get("sharding"), tuple(e.invars[0].aval.shape))
+            for e, _ in _jaxpr._walk(jaxpr) if str(e.primitive) == "sharding_constraint"]
+
+
+def _shards(shardings: Iterable[tuple[Any, tuple[int, ...]]]) -> int:
+    """Into how many pieces the compiler splits the step's values: the most pieces any
+    input or constrained value is split into by its sharding (1 when none is split, or
+    none is given). The trace reads global shapes, a core holds one piece: exact where the
+    activations are split over every device, as under data and fully sharded data
+    parallelism (the batch over every device); a tensor-parallel layer may keep some
+    values whole on each core, which the compiles calibrate (`_search._Model`)."""
+    most = 1
+    for sharding, shape in shardings:
+        try:
+            piece = sharding.shard_shape(shape)
+        except Exception:  # noqa: BLE001  unspecified, a pytree prefix, not a sharding
+            continue
+        if shape and math.prod(piece) > 0:
+            most = max(most, math.prod(shape) // math.prod(piece))
+    return most
+
+
+def _per_core_flops(jaxpr: Any, shards: int) -> int:
+    """The jaxpr's FLOPs on one core (`_jaxpr.jaxpr_cost`'s count) where the compiler
+    splits its work `shards` ways: a shard_map's body is already per shard."""
+    if shards == 1:
+        return _jaxpr.jaxpr_cost(jaxpr).flops
+    total = 0
+    for eqn in jaxpr.eqns:
+        if str(eqn.primitive) == "shard_map":
+            total += sum(_jaxpr.jaxpr_cost(sub).flops * m for sub, m in _jaxpr._sub_jaxprs(eqn))
+            continue
+        total += -(-_jaxpr.eqn_flops(eqn) // shards)
+        total += sum(_per_core_flops(sub, shards) * m for sub, m in _jaxpr._sub_jaxprs(eqn))
+    return total
 
 
 def _named(candidates: Iterable[str] | str) -> list[str]:

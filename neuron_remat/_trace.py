@@ -98,6 +98,12 @@ class _Scope:
 
     lead: tuple[int, ...] = ()
     over: Mapping[str, int] = field(default_factory=dict)
+    shards: int = 1  # devices a value here is spread over (`_build`'s `shards`; 1 in a shard_map)
+
+
+def _per_core(flops: int, shards: int) -> int:
+    """An op's FLOPs on one of the `shards` devices a partitioned program spreads it over."""
+    return flops if shards == 1 else -(-flops // shards)
 
 
 def _inner(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
@@ -165,7 +171,7 @@ class Built:
 
 
 def jaxpr_graph(jaxpr: Any, *, unknown: Sequence[bool],
-                activation: Sequence[bool] | None = None) -> LayerGraph:
+                activation: Sequence[bool] | None = None, shards: int = 1) -> LayerGraph:
     """The `LayerGraph` of a jaxpr split into a known (primal) and an unknown part.
 
     `unknown[i]` says whether invar i is unknown (a tangent or cotangent) or known (a primal
@@ -196,13 +202,18 @@ def jaxpr_graph(jaxpr: Any, *, unknown: Sequence[bool],
     ``optimization_barrier`` the identity; a scatter's or a reduction's per-element function
     is part of that op. Any other primitive holding a jaxpr raises
     `UnsupportedPrimitiveError`.
+
+    `shards`: the devices a program the compiler partitions spreads its values over (a
+    jit over several devices, whose jaxpr has global shapes): each value outside a
+    ``shard_map`` body counts 1/`shards` of its bytes and each op 1/`shards` of its
+    FLOPs, per core (`Value.shards`).
     """
-    return _build(jaxpr, unknown, activation).graph
+    return _build(jaxpr, unknown, activation, shards=shards).graph
 
 
 def _build(jaxpr: Any, unknown: Sequence[bool],
            activation: Sequence[bool] | None, remat3: bool = False,
-           jit_copies: bool = False) -> Built:
+           jit_copies: bool = False, shards: int = 1) -> Built:
     """`jaxpr_graph`'s build. `remat3`: model ``jax_remat3``'s remat, which hoists nothing
     out of a scan and rounds every residual, a scan's too (`_ScanValue`, `level`).
     `jit_copies`: `jaxpr` is a JVP that JAX's remat has yet to split (not a remat body it
@@ -232,7 +243,7 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
     depth: dict[str, int] = {}  # a value's scan depth: how many scans' lengths stack it
 
     def fresh(aval: Any, lead: tuple[int, ...], prefix: str = "v", role: str | None = None,
-              eqn: Any = None, in_scan: bool | None = None) -> str:
+              eqn: Any = None, in_scan: bool | None = None, spread: int = shards) -> str:
         name = f"{prefix}{counter[0]}"
         counter[0] += 1
         depth[name] = len(lead)
@@ -245,7 +256,8 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
         kind = (_ScanValue if (bool(lead) if in_scan is None else in_scan) and not remat3
                 else Value)
         values[name] = kind(name, (*lead, *getattr(aval, "shape", ())), _dtype_name(dtype),
-                            role, dot=dot, batch_dot=batch, itemsize=itemsize(dtype) or 1)
+                            role, dot=dot, batch_dot=batch, itemsize=itemsize(dtype) or 1,
+                            shards=spread)
         return name
 
     def const(aval: Any) -> str:
@@ -294,8 +306,8 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
             else:
                 note_tag(tag, eqn, lead)
                 hidden.pop(tag, None)
-        outs = [fresh(ov.aval, lead, role=tag, eqn=eqn, in_scan=bool(scope.lead))
-                for ov in eqn.outvars]
+        outs = [fresh(ov.aval, lead, role=tag, eqn=eqn, in_scan=bool(scope.lead),
+                      spread=scope.shards) for ov in eqn.outvars]
         env.update(zip(eqn.outvars, outs))
         if not outs:
             return
@@ -307,7 +319,8 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
                 values.pop(n)
         else:
             ops.append(Op(f"{label or prim}:{len(ops)}", tuple(dict.fromkeys(present)),
-                          outs[0], flops * math.prod(lead), more_outputs=tuple(outs[1:])))
+                          outs[0], _per_core(flops * math.prod(lead), scope.shards),
+                          more_outputs=tuple(outs[1:])))
 
     def jit_operand(name: str | None) -> str | None:
         """JAX < 0.9: a known value entering a jit, where the jit's backward reads it, is
@@ -361,12 +374,12 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
                 if init is not None and init in unk:  # the tangent carry starts from it
                     staged.append(([init], [], [name]))
             else:
-                name = fresh(v.aval, inner_lead, "carry")
+                name = fresh(v.aval, inner_lead, "carry", spread=scope.shards)
                 known.append((i, name, init))
             body_ins.append(name)
         body_ins.extend(ins[nc + nk:])
         over = {**scope.over, **{n: len(inner_lead) for n in ins[nc + nk:] if n is not None}}
-        outs_named = inline(body, body_ins, _Scope(inner_lead, over))
+        outs_named = inline(body, body_ins, _Scope(inner_lead, over, scope.shards))
         for v, name, out in zip(carry_unk, body_ins[nc:nc + nk], outs_named[:nk]):
             if v and out is not None and out in unk:  # the next iteration's tangent carry
                 staged.append(([out], [], [name]))
@@ -435,7 +448,8 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
                 if prim in _JITS and jit_copies and not whole[0]:
                     ins = [jit_operand(n) for n in ins]
                 whole[0] += prim in _WHOLE
-                env.update(zip(eqn.outvars, inline(sub, ins, scope)))
+                inner = dataclasses.replace(scope, shards=1) if prim == "shard_map" else scope
+                env.update(zip(eqn.outvars, inline(sub, ins, inner)))
                 whole[0] -= prim in _WHOLE
             elif prim == "scan":
                 scan(eqn, ins, env, scope)
@@ -469,7 +483,7 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
             name = fresh(v.aval, (), "in")
             (inputs if a else params).append(name)
         env[v] = name
-    expand(jaxpr, env, _Scope())
+    expand(jaxpr, env, _Scope(shards=shards))
 
     live = {n for n in (read(env, o) for o in jaxpr.outvars) if n is not None and n in unk}
     reads: list[str] = []

@@ -41,22 +41,29 @@ class Value:
     # rounding is the value's (one reduce_precision, counted once however many of the two
     # are kept), and without remat the value itself is kept.
     copy_of: str | None = None
+    # How many devices `shape` is spread over: a value of a program the compiler partitions
+    # (a jit over several devices) has its global shape here, and a core holds 1/shards of
+    # it (`_trace`: the step's devices; 1 inside a shard_map, whose shapes are per shard).
+    shards: int = 1
 
     @property
     def bytes(self) -> int:
-        size = self.itemsize or dtype_bytes(self.dtype)
-        return math.prod(self.shape) * size + self.extra_bytes
+        return self._per_core(math.prod(self.shape) * (self.itemsize or dtype_bytes(self.dtype)))
 
     def bytes_as(self, itemsizes: Mapping[str, int]) -> int:
         """`bytes` with ``itemsizes[dtype]`` bytes per element where given (what a backend
         stores: `_step.STORED_ITEMSIZE`)."""
         size = itemsizes.get(self.dtype)
-        return self.bytes if size is None else math.prod(self.shape) * size + self.extra_bytes
+        return self.bytes if size is None else self._per_core(math.prod(self.shape) * size)
+
+    def _per_core(self, nbytes: int) -> int:
+        return -(-nbytes // self.shards) + self.extra_bytes
 
     @property
     def rounding_flops(self) -> int:
         """XLA's count for a ``reduce_precision`` of it (floating dtypes only)."""
-        return math.prod(self.shape) if self.dtype.startswith(("float", "bfloat")) else 0
+        n = math.prod(self.shape) if self.dtype.startswith(("float", "bfloat")) else 0
+        return -(-n // self.shards)
 
 
 @dataclass(frozen=True)
@@ -647,7 +654,7 @@ def op_seconds(op: Op, graph: LayerGraph, rates: object) -> float:
     work = float(op.flops)
     if kind == "transcendental":
         out = graph.values.get(op.output)
-        work = max(work, float(math.prod(out.shape)) if out is not None else 0.0)
+        work = max(work, math.prod(out.shape) / out.shards if out is not None else 0.0)
     return max(work / rate[ENGINE_OF[kind]], moved)
 
 

@@ -1,0 +1,107 @@
+"""The zoo's scanned steps laid out over several devices, as training runs (test fixtures).
+
+A TRN2 job splits its step over cores: the batch over data-parallel devices, and with
+fully sharded data parallelism (FSDP) the parameters and optimizer state too. `jax.jit`
+then compiles one program per device (XLA's SPMD partitioner), whose ``memory_analysis()``
+is one device's, while the step's jaxpr keeps global shapes. Each `Sharded` step is a
+`zoo.Spec` with the batch times `devices`, over a one-axis mesh of that many devices:
+
+- ``dp``: the batch split over the devices, the state replicated on each;
+- ``fsdp``: the batch split, and every state array split along its largest dimension the
+  device count divides (the layers' stacked weights along a feature dimension, the
+  embedding along the vocabulary), as FSDP shards them.
+
+Each device then holds the base step's batch: a layer's residuals are the base step's.
+The steps follow zoo.py's protocol (benchmarks/fit_sweep.py ``--steps-module
+tests.cpu.sharded_zoo --host-devices 8``). JAX must see the devices: XLA:CPU makes them
+with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``, read when JAX's backend
+starts (a test runs these in a subprocess with it set). None of these steps was looked at
+while `fit`'s search constants were chosen: they are all ``held-out``, whatever their
+base step's split.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+try:
+    from . import zoo
+except ImportError:  # imported with tests/cpu on sys.path (fit_sweep's steps modules)
+    import zoo  # type: ignore[no-redef]
+
+MODES = ("dp", "fsdp")
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """`base` over a mesh of `devices` devices in `mode` (one of `MODES`)."""
+
+    base: zoo.Spec
+    mode: str
+    devices: int = 8
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r}: one of {MODES}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.base.name}-{self.mode}{self.devices}"
+
+    split = "held-out"
+
+    @property
+    def note(self) -> str:
+        return (f"{self.base.name} ({self.base.split}) with the batch x{self.devices} over "
+                f"{self.devices} devices, {self.mode}")
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return self.base.extra
+
+    @property
+    def scan(self) -> bool:
+        return self.base.scan
+
+    def spec(self) -> zoo.Spec:
+        return dataclasses.replace(self.base, batch=self.base.batch * self.devices)
+
+    def make_step(self) -> Any:
+        return self.spec().make_step()
+
+    def mesh(self) -> jax.sharding.Mesh:
+        found = jax.devices()
+        if len(found) < self.devices:
+            raise RuntimeError(
+                f"{self.name} needs {self.devices} devices and JAX sees {len(found)}: start "
+                f"it with XLA_FLAGS=--xla_force_host_platform_device_count={self.devices}")
+        return jax.sharding.Mesh(np.array(found[:self.devices]), ("data",))
+
+    def abstract_args(self) -> tuple[Any, Any]:
+        mesh = self.mesh()
+        state, tokens = self.spec().abstract_args()
+        P = jax.sharding.PartitionSpec
+
+        def placed(a: Any) -> Any:
+            spec = P()
+            if self.mode == "fsdp":
+                dims = [i for i, n in enumerate(a.shape) if n % self.devices == 0]
+                if dims:
+                    at = max(dims, key=lambda i: (a.shape[i], -i))
+                    spec = P(*[None] * at, "data")
+            return jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                        sharding=jax.sharding.NamedSharding(mesh, spec))
+
+        return (jax.tree.map(placed, state),
+                jax.ShapeDtypeStruct(tokens.shape, tokens.dtype,
+                                     sharding=jax.sharding.NamedSharding(mesh, P("data"))))
+
+
+STEPS: dict[str, Sharded] = {
+    s.name: s for s in (Sharded(spec, mode) for spec in zoo.ZOO.values() if spec.scan
+                        for mode in MODES)}
