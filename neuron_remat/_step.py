@@ -309,7 +309,7 @@ def _per_core_flops(jaxpr: Any, shards: int) -> int:
         if str(eqn.primitive) == "shard_map":
             total += sum(_jaxpr.jaxpr_cost(sub).flops * m for sub, m in _jaxpr._sub_jaxprs(eqn))
             continue
-        total += -(-_jaxpr.eqn_flops(eqn) // shards)
+        total += _trace._per_core(_jaxpr.eqn_flops(eqn), shards)
         total += sum(_per_core_flops(sub, shards) * m for sub, m in _jaxpr._sub_jaxprs(eqn))
     return total
 
