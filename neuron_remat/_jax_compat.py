@@ -25,6 +25,10 @@ Private names:
   remat3 asks any callable policy (``remat3_rule_params``); empty where absent.
 * ``jax._src.config.remat3``: the context manager behind ``jax_remat3`` (``remat3_off``);
   a no-op on versions without the flag.
+* ``jax.stages.Traced._params``: a traced jit call's parameters, whose ``in_shardings`` are
+  the jit's own (`jit_in_shardings`); no public name gives them before a compile. Present
+  in 0.7.2 and 0.10.2 (read by `_step.step_graph`); where absent, none (the arguments' own
+  shardings still count).
 * ``jax._src.distributed.global_state``: the process id, count and key-value client of
   ``jax.distributed.initialize`` (``distributed_state``; stable from JAX 0.4). Imported on
   call only, so that the multi-host agreement never imports JAX itself.
@@ -104,6 +108,14 @@ def remat3_off() -> Any:
 
     state = getattr(jax_config, "remat3", None)
     return state(False) if state is not None else contextlib.nullcontext()
+
+
+def jit_in_shardings(traced: Any) -> tuple[Any, ...]:
+    """The ``in_shardings`` a jit was given, one per input of `traced` (``jit(f).trace``'s
+    result); () where this JAX does not keep them there."""
+    params = getattr(traced, "_params", None)
+    found = params.get("in_shardings", ()) if isinstance(params, dict) else ()
+    return tuple(found) if isinstance(found, (tuple, list)) else ()
 
 
 def distributed_state() -> Any:

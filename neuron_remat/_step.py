@@ -27,7 +27,8 @@ from jax.extend import core as jcore
 from . import _jaxpr, _trace
 from ._compile import _jitted
 from ._format import first_line
-from ._jax_compat import is_name_primitive, remat3_off, save_only_these_names
+from ._jax_compat import (is_name_primitive, jit_in_shardings, remat3_off,
+                          save_only_these_names)
 from .graph import LayerGraph
 from .planner import DEFAULT_MIN_FLOPS_PER_BYTE
 
@@ -265,9 +266,7 @@ def _traced(step: Any, args: Sequence[Any]) -> tuple[Any, list[tuple[Any, tuple[
         traced = trace(*args)
         closed = getattr(traced, "jaxpr", None)
         if closed is not None and hasattr(closed, "jaxpr"):  # a ClosedJaxpr
-            # the jit's own in_shardings (JAX keeps them with the traced call's parameters)
-            params = getattr(traced, "_params", None)
-            declared = params.get("in_shardings", ()) if isinstance(params, dict) else ()
+            declared = jit_in_shardings(traced)
             if len(declared) == len(closed.in_avals):
                 given += [(s, tuple(a.shape)) for s, a in zip(declared, closed.in_avals)]
             return closed, given
