@@ -281,21 +281,46 @@ def _constraints(jaxpr: Any) -> list[tuple[Any, tuple[int, ...]]]:
 
 
 def _shards(shardings: Iterable[tuple[Any, tuple[int, ...]]]) -> int:
-    """Into how many pieces the compiler splits the step's values: the most pieces any
-    input or constrained value is split into by its sharding (1 when none is split, or
-    none is given). The trace reads global shapes, a core holds one piece: exact where the
-    activations are split over every device, as under data and fully sharded data
-    parallelism (the batch over every device); a tensor-parallel layer may keep some
-    values whole on each core, which the compiles calibrate (`_search._Model`)."""
+    """Into how many pieces the compiler splits the step's values: the product of the
+    sizes of the mesh axes that the inputs' and constraints' shardings split anything
+    over (the batch over ``data``, the weights over ``model``: 8 on a 4 x 2 mesh), or, for
+    a sharding that names no mesh axes, the pieces it splits its value into; the most of
+    these, 1 when nothing is split. The trace reads global shapes and a core holds one
+    piece: exact where the activations are split over every axis, as under data and
+    fully sharded data parallelism, and for a tensor-parallel layer's heads and hidden
+    units; a value a tensor-parallel layer keeps whole on each core (its output, after
+    the reduction over the axis) counts too little, which the compiles calibrate
+    (`_search._Model`)."""
     most = 1
+    used: dict[tuple[tuple[str, int], ...], set[str]] = {}  # a mesh's axes -> those used
     for sharding, shape in shardings:
+        axes = _mesh_axes(sharding)
+        if axes is not None:
+            used.setdefault(tuple(axes[0].items()), set()).update(axes[1])
+            continue
         try:
             piece = sharding.shard_shape(shape)
         except Exception:  # noqa: BLE001  unspecified, a pytree prefix, not a sharding
             continue
         if shape and math.prod(piece) > 0:
             most = max(most, math.prod(shape) // math.prod(piece))
+    for mesh, names in used.items():
+        most = max(most, math.prod(size for n, size in mesh if n in names))
     return most
+
+
+def _mesh_axes(sharding: Any) -> tuple[dict[str, int], set[str]] | None:
+    """A named sharding's mesh axis sizes and the axes its spec splits over; None for any
+    other sharding (or none)."""
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    shape = getattr(mesh, "shape", None)
+    if spec is None or not isinstance(shape, Mapping):
+        return None
+    names: set[str] = set()
+    for entry in spec:
+        names.update(n for n in (entry if isinstance(entry, tuple) else (entry,))
+                     if isinstance(n, str))
+    return dict(shape), names
 
 
 def _per_core_flops(jaxpr: Any, shards: int) -> int:

@@ -9,9 +9,16 @@ is one device's, while the step's jaxpr keeps global shapes. Each `Sharded` step
 - ``dp``: the batch split over the devices, the state replicated on each;
 - ``fsdp``: the batch split, and every state array split along its largest dimension the
   device count divides (the layers' stacked weights along a feature dimension, the
-  embedding along the vocabulary), as FSDP shards them.
+  embedding along the vocabulary), as FSDP shards them;
+- ``tp``: a mesh of ``data`` x ``model`` (`devices` / 2 x 2), the batch split over
+  ``data``, and Megatron's tensor parallelism over ``model``: the q, k, v and the FFN's
+  input projections split by output unit (heads, hidden units), the attention output and
+  FFN output projections by input unit, the head by vocabulary; norms and embedding
+  whole. The heads' and hidden units' activations are split over both axes, the
+  residual stream (a layer's output) over ``data`` only.
 
-Each device then holds the base step's batch: a layer's residuals are the base step's.
+Under ``dp`` and ``fsdp`` each device holds the base step's batch: a layer's residuals
+are the base step's.
 The steps follow zoo.py's protocol (benchmarks/fit_sweep.py ``--steps-module
 tests.cpu.sharded_zoo --host-devices 8``). JAX must see the devices: XLA:CPU makes them
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``, read when JAX's backend
@@ -34,7 +41,9 @@ try:
 except ImportError:  # imported with tests/cpu on sys.path (fit_sweep's steps modules)
     import zoo  # type: ignore[no-redef]
 
-MODES = ("dp", "fsdp")
+MODES = ("dp", "fsdp", "tp")
+_BY_OUTPUT = {"wq", "wk", "wv", "wqkv", "w1a", "w1b", "head"}  # split along the last axis
+_BY_INPUT = {"wo", "w2"}  # split along the axis before it
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,8 @@ class Sharded:
 
     @property
     def name(self) -> str:
+        if self.mode == "tp":
+            return f"{self.base.name}-dp{self.devices // 2}tp2"
         return f"{self.base.name}-{self.mode}{self.devices}"
 
     split = "held-out"
@@ -80,6 +91,9 @@ class Sharded:
             raise RuntimeError(
                 f"{self.name} needs {self.devices} devices and JAX sees {len(found)}: start "
                 f"it with XLA_FLAGS=--xla_force_host_platform_device_count={self.devices}")
+        if self.mode == "tp":
+            return jax.sharding.Mesh(np.array(found[:self.devices]).reshape(-1, 2),
+                                     ("data", "model"))
         return jax.sharding.Mesh(np.array(found[:self.devices]), ("data",))
 
     def abstract_args(self) -> tuple[Any, Any]:
@@ -87,17 +101,24 @@ class Sharded:
         state, tokens = self.spec().abstract_args()
         P = jax.sharding.PartitionSpec
 
-        def placed(a: Any) -> Any:
+        def placed(path: Any, a: Any) -> Any:
             spec = P()
             if self.mode == "fsdp":
                 dims = [i for i, n in enumerate(a.shape) if n % self.devices == 0]
                 if dims:
                     at = max(dims, key=lambda i: (a.shape[i], -i))
                     spec = P(*[None] * at, "data")
+            elif self.mode == "tp" and a.ndim >= 2:
+                name = next((str(getattr(k, "key", "")) for k in reversed(path)
+                             if getattr(k, "key", None) is not None), "")
+                at = a.ndim - 1 if name in _BY_OUTPUT else a.ndim - 2 if name in _BY_INPUT \
+                    else None
+                if at is not None and a.shape[at] % 2 == 0:
+                    spec = P(*[None] * at, "model")
             return jax.ShapeDtypeStruct(a.shape, a.dtype,
                                         sharding=jax.sharding.NamedSharding(mesh, spec))
 
-        return (jax.tree.map(placed, state),
+        return (jax.tree_util.tree_map_with_path(placed, state),
                 jax.ShapeDtypeStruct(tokens.shape, tokens.dtype,
                                      sharding=jax.sharding.NamedSharding(mesh, P("data"))))
 

@@ -78,6 +78,21 @@ def test_a_sharded_steps_residuals_count_per_core():
         assert max(r["jax"]) > 0  # the test can fail: saving a tag keeps something
 
 
+def test_tensor_parallel_heads_count_per_core():
+    """A 4 x 2 mesh, the batch over ``data`` and Megatron's weights over ``model``: the
+    values are split 8 ways (the two axes the inputs use, though no input is split more
+    than 4 ways), and the kept bytes of the q, k, v projections and the FFN's hidden units
+    are JAX's for one layer at one device's batch, heads and units (here the base step's). (The attention output, on
+    the residual stream, is split over ``data`` only: counted at 1/8, it is half of what a
+    core holds; the compiles calibrate that.)"""
+    names = ["big-state-dp4tp2"]
+    got = _run(f"NAMES = {names!r}\n" + _KEPT)["big-state-dp4tp2"]
+    assert got["shards"] == 8
+    # the sets: none, each of q, k, v, o, wi0, wi1 alone, all; the heads' and hidden units'
+    for i in (1, 2, 3, 5, 6):
+        assert got["graph"][i] == got["layers"] * got["jax"][i] > 0, i
+
+
 def test_the_shards_come_from_the_jit_and_a_shard_map_counts_once():
     """Shardings given to ``jax.jit`` (not on the arguments) split the values too; a tag
     inside a ``shard_map`` body (at its per-shard shape) is not divided again, one outside
