@@ -46,11 +46,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     sys.path.insert(0, str(C.REPO / "tests" / "cpu"))
     import axlearn_zoo as az  # noqa: PLC0415
 
+    known = {**az.STEPS, **az.SHARDED}
     names = list(az.STEPS) if args.steps is None else args.steps.split(",")
-    unknown = [n for n in names if n not in az.STEPS]
+    unknown = [n for n in names if n not in known]
     if unknown:
         p.error(f"--steps: no step {unknown[0]!r} in tests/cpu/axlearn_zoo.py; valid: "
-                f"{', '.join(az.STEPS)}")
+                f"{', '.join(known)}")
+    if args.host_devices:
+        C.host_devices(args.host_devices)
     C.prepare_compiles()  # before axlearn imports JAX
     why = az.available()
     if why is not None:
@@ -60,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     F = importlib.import_module("neuron_remat._fit")
     logging.getLogger("neuron_remat.fit").setLevel(logging.ERROR)
     max_tags, n_sizes = (3, 10) if args.small else (args.tags, 100)
-    steps = {n: az.STEPS[n] for n in names}
+    steps = {n: known[n] for n in names}
     result: dict[str, Any] = {"axlearn_commit": az.AXLEARN_COMMIT, "max_tags": max_tags,
                               "max_compiles": args.max_compiles, "steps": {}}
     lines: list[str] = []

@@ -70,12 +70,16 @@ def real_step_parser(description: str, name: str) -> Any:
     p.add_argument("--spare", action="store_true",
                    help="the brute force also covers each tag outside fit's pool (cached "
                         "apart), and fit runs without candidates, compiling those tags")
+    p.add_argument("--host-devices", type=FS.device_count, default=None, metavar="N",
+                   help="XLA:CPU makes N devices, for the zoo module's SHARDED steps (8)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = real_step_parser(__doc__.splitlines()[0], NAME).parse_args(argv)
     say = C.Printer(args.quiet)
+    if args.host_devices:
+        C.host_devices(args.host_devices)
     C.prepare_compiles()
     sys.path.insert(0, str(C.REPO / "tests" / "cpu"))
     import maxtext_zoo as mz  # noqa: PLC0415
@@ -90,13 +94,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"maxtext": mz.MAXTEXT_VERSION, "max_tags": max_tags,
                               "max_compiles": args.max_compiles, "steps": {}}
     lines: list[str] = []
+    steps = {**mz.STEPS, **mz.SHARDED}
     names = list(mz.STEPS) if args.steps is None else args.steps.split(",")
-    unknown = [n for n in names if n not in mz.STEPS]
+    unknown = [n for n in names if n not in steps]
     if unknown:
         raise SystemExit(f"maxtext_fit: --steps: no step {unknown[0]!r} in "
-                         f"tests/cpu/maxtext_zoo.py; valid: {', '.join(mz.STEPS)}")
+                         f"tests/cpu/maxtext_zoo.py; valid: {', '.join(steps)}")
     for name in names:
-        spec = mz.STEPS[name]
+        spec = steps[name]
         graph = F.step_graph(spec.make_step(), *spec.abstract_args())
         step, more = sweep_real_step(name, spec, graph, "MaxText", mz.MAXTEXT_VERSION,
                                      args.out / "maxtext_brute", max_tags, n_sizes,

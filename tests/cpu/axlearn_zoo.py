@@ -210,6 +210,10 @@ class AxlearnSpec:
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
     scan: bool = True
+    devices: int = 1
+    """The devices of `mesh` (its ``fsdp`` axis); above 1 the batch is split over
+    ``("data", "fsdp")``, as axlearn's input partition does, and the process must see that
+    many devices (``XLA_FLAGS=--xla_force_host_platform_device_count=8``)."""
 
     def _model(self, policy: Any) -> Any:
         return model_config(self.sizes, policy, self.prevent_cse, self.rope, self.flash,
@@ -218,7 +222,7 @@ class AxlearnSpec:
     def abstract_args(self) -> tuple[Any, Any]:
         """((abstract float32 parameters, abstract AdamW state), abstract input batch)."""
         return _abstract_args(self.name, tuple(sorted(self.sizes.items())),
-                              self.prevent_cse, self.rope, self.flash, self.moe)
+                              self.prevent_cse, self.rope, self.flash, self.moe, self.devices)
 
     def make_step(self) -> Callable[[Any], Any]:
         def make(policy: Any) -> Any:
@@ -227,13 +231,18 @@ class AxlearnSpec:
         return make
 
 
-def mesh() -> Any:
-    """A one-device mesh over Fuji's axes: axlearn's ``FlashAttention`` reads the mesh its
-    kernel's ``shard_map`` runs on from the one in effect."""
+def mesh(devices: int = 1) -> Any:
+    """A mesh over Fuji's axes, `devices` along ``fsdp`` (one device by default):
+    axlearn's ``FlashAttention`` reads the mesh its kernel's ``shard_map`` runs on from the
+    one in effect."""
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
-    return jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1, 1, 1),
+    found = jax.devices()
+    if len(found) < devices:
+        raise RuntimeError(f"a mesh of {devices} devices, and JAX sees {len(found)}: start "
+                           f"with XLA_FLAGS=--xla_force_host_platform_device_count={devices}")
+    return jax.sharding.Mesh(np.array(found[:devices]).reshape(1, 1, devices, 1, 1),
                              ("data", "expert", "fsdp", "seq", "model"))
 
 
@@ -246,7 +255,7 @@ def _optimizer() -> Any:
 @functools.lru_cache(maxsize=None)
 def _abstract_args(name: str, sizes: tuple[tuple[str, Any], ...],
                    prevent_cse: bool, rope: bool, flash: bool,
-                   moe: str | None) -> tuple[Any, Any]:
+                   moe: str | None, devices: int = 1) -> tuple[Any, Any]:
     del name
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
@@ -260,8 +269,10 @@ def _abstract_args(name: str, sizes: tuple[tuple[str, Any], ...],
         params = model.initialize_parameters_recursively(jax.random.PRNGKey(0))
         return params, tx.init(params)
 
-    batch = {"input_ids": jax.ShapeDtypeStruct((s["batch"], s["seq"]), jnp.int32),
-             "target_labels": jax.ShapeDtypeStruct((s["batch"], s["seq"]), jnp.int32)}
+    split = None if devices == 1 else jax.sharding.NamedSharding(
+        mesh(devices), jax.sharding.PartitionSpec(("data", "fsdp"), None))
+    batch = {k: jax.ShapeDtypeStruct((s["batch"], s["seq"]), jnp.int32, sharding=split)
+             for k in ("input_ids", "target_labels")}
     return jax.eval_shape(state), batch
 
 
@@ -288,7 +299,7 @@ def _make(spec: AxlearnSpec, policy: Any) -> Any:
 
     def step(state: Any, batch: Any) -> tuple[Any, Any]:
         params, opt = state
-        with mesh() if spec.flash else contextlib.nullcontext():
+        with mesh(spec.devices) if spec.flash else contextlib.nullcontext():
             loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, opt = tx.update(grads, opt, params)
         return (optax.apply_updates(params, updates), opt), loss
@@ -325,6 +336,17 @@ JAX 0.8.3, so the layer's backward holds scatter-adds); ``axlearn-fuji-norope`` 
 ``RoFormerQKVLinear``, a structurally different attention; ``axlearn-fuji-moe`` is
 ``axlearn-fuji`` with every layer's feed-forward axlearn's ``TransformerFeedForwardMoE``
 (`MOE_SIZES`, routed by ``TopKGating``: `moe_layer_config`'s layer, in the stack)."""
+
+SHARDED: dict[str, AxlearnSpec] = {s.name: s for s in [
+    AxlearnSpec(
+        "axlearn-fuji-flash-fsdp8", dict(SIZES, batch=8 * SIZES["batch"]), prevent_cse=False,
+        rope=True, flash=True, devices=8,
+        note=_FUJI + "; RoPE; axlearn's FlashAttention, its kernel's shard_map over a mesh "
+             "of 8 devices along fsdp; the batch x8 split over (data, fsdp), the state "
+             "replicated; needs a process that sees 8 devices"),
+]}
+"""axlearn's steps over several devices (not in `STEPS`: a process sees its device count
+from the start; ``axlearn_fit.py --host-devices 8 --steps axlearn-fuji-flash-fsdp8``)."""
 
 
 # --------------------------------------------------------------------------------------

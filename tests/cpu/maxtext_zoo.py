@@ -150,6 +150,11 @@ class MaxTextSpec:
     """More arguments of the layer's constructor (Qwen3-Next's ``layer_idx``, which picks
     its attention: linear, a gated delta net, but for every
     ``inhomogeneous_layer_cycle_interval``-th layer)."""
+    devices: int = 1
+    """The devices of the step's mesh (the first of ``jax.devices()``; the config's ``ici_*``
+    parallelism lays the axes out over them). MaxText's global batch is its
+    ``per_device_batch_size`` times the devices JAX sees: a step over 8 devices runs in a
+    process that sees 8 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``)."""
 
     # ---- MaxText's pieces --------------------------------------------------------------
 
@@ -158,7 +163,8 @@ class MaxTextSpec:
 
     def _built(self, overrides: tuple[tuple[str, str], ...],
                no_remat: bool = False) -> tuple[Any, ...]:
-        return _build(self.name, tuple(sorted(self.config.items())), overrides, no_remat)
+        return _build(self.name, tuple(sorted(self.config.items())), overrides, no_remat,
+                      self.devices)
 
     def abstract_args(self) -> tuple[Any, Any]:
         """(abstract NNX train state, abstract batch), as ``get_shaped_inputs`` gives them."""
@@ -234,7 +240,8 @@ def _config(name: str, config: tuple[tuple[str, Any], ...],
 
 @functools.lru_cache(maxsize=8)
 def _build(name: str, config: tuple[tuple[str, Any], ...],
-           overrides: tuple[tuple[str, str], ...], no_remat: bool) -> tuple[Any, ...]:
+           overrides: tuple[tuple[str, str], ...], no_remat: bool,
+           n_devices: int = 1) -> tuple[Any, ...]:
     """(jitted step, (abstract state, abstract batch), mesh, MaxText config). `no_remat`
     gets a jitted function of its own: jit's trace cache does not see `_no_remat`. (The
     cache is bounded: 129 cached steps of the MoE config, each with its executable, ran
@@ -247,7 +254,11 @@ def _build(name: str, config: tuple[tuple[str, Any], ...],
     from maxtext.utils import maxtext_utils, sharding  # noqa: PLC0415
 
     cfg = _config(name, config, overrides)
-    devices = maxtext_utils.create_device_mesh(cfg, jax.devices()[:1])
+    if len(jax.devices()) < n_devices:
+        raise RuntimeError(f"{name} needs {n_devices} devices and JAX sees "
+                           f"{len(jax.devices())}: start it with XLA_FLAGS="
+                           f"--xla_force_host_platform_device_count={n_devices}")
+    devices = maxtext_utils.create_device_mesh(cfg, jax.devices()[:n_devices])
     mesh = Mesh(devices, cfg.mesh_axes, axis_types=(AxisType.Auto,) * len(cfg.mesh_axes))
     (args, _, state_shardings, _, model) = train_compile.get_shaped_inputs(mesh, cfg)
     params_shardings, state_shardings = sharding.maybe_update_params_sharding_with_opt(
@@ -300,6 +311,16 @@ STEPS: dict[str, MaxTextSpec] = {s.name: s for s in [
              "AdamW, donated state, 1-device CPU mesh"),
 ]}
 """MaxText's steps, by name."""
+
+SHARDED: dict[str, MaxTextSpec] = {s.name: s for s in [
+    MaxTextSpec(
+        "maxtext-llama2-fsdp8", CONFIG, devices=8,
+        note=f"MaxText {MAXTEXT_VERSION}'s train_step as maxtext-llama2, over 8 CPU devices: "
+             "MaxText's own mesh and rules (fsdp 8: the batch and the state split 8 ways), "
+             "per-device batch 2; needs a process that sees 8 devices"),
+]}
+"""MaxText's steps over several devices (not in `STEPS`: a process sees its device count
+from the start; ``maxtext_fit.py --host-devices 8 --steps maxtext-llama2-fsdp8``)."""
 
 LAYERS: dict[str, MaxTextSpec] = {s.name: s for s in [
     STEPS["maxtext-llama2"],

@@ -278,3 +278,43 @@ def test_overrides_set_each_remat_key_of_this_maxtext_and_it_takes_them():
     cfg = mz._config("overrides", tuple(sorted(mz.CONFIG.items())), tuple(sorted(out.items())))
     for key, value in out.items():
         assert str(getattr(cfg, key)).rsplit(".", 1)[-1].lower() == value, key
+
+
+def test_maxtext_fsdp_step_counts_per_core():
+    """MaxText's own train step over 8 devices (its mesh and rules: fsdp 8, the batch and
+    the state split 8 ways; a subprocess that sees 8 devices): the step graph counts per
+    core, so 8 x its kept bytes of every tag alone, none and all equal JAX's
+    ``saved_residuals`` of MaxText's decoder layer at the global batch, times the layers."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    here = pathlib.Path(__file__).resolve().parent
+    code = """
+import json
+import maxtext_zoo as mz
+from test_maxtext_real import _jax_residuals
+from neuron_remat import _step
+spec = mz.SHARDED["maxtext-llama2-fsdp8"]
+g = _step.step_graph(spec.make_step(), *spec.abstract_args())
+fn, args = spec.decoder_layer()
+sets = [(), *((t,) for t in g.tags), tuple(g.tags)]
+print(json.dumps({"shards": g.shards, "layers": g.count,
+                  "graph": [g.kept_bytes(s) - g.kept_bytes(()) for s in sets],
+                  "jax": [_jax_residuals(fn, args, s)[0] - _jax_residuals(fn, args, ())[0]
+                          for s in sets]}))
+"""
+    env = {**os.environ,
+           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
+                         + " --xla_force_host_platform_device_count=8").strip(),
+           "PYTHONPATH": os.pathsep.join([str(here), str(here.parent.parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=900, cwd=str(here.parent.parent))
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["shards"] == 8
+    assert [8 * b for b in got["graph"]] == [got["layers"] * j for j in got["jax"]]
+    assert max(got["jax"]) > 0
