@@ -137,6 +137,18 @@ def model_config(sizes: dict[str, Any], policy: Any, prevent_cse: bool,
     # fuji.py 1064-1083.
     activation_fn = ("nn.silu", "linear")
     atten_cfg = (FlashAttention if flash else GroupedQueryAttention).default_config()
+    if flash:  # common.py 93-106 (flash_attention_config): the kernel's shard_map specs
+        from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+        batch = ("data", "expert", "fsdp")
+        atten_cfg.set(mha_dim_to_partition_spec={
+            "btnh": P(batch, None, ("seq", "model"), None),
+            "bsnh": P(batch, None, ("seq", "model"), None),
+            "bnts": P(batch, None, None, None),
+        }, output_dim_to_partition_spec={
+            "btnh": P(batch, "seq", "model", None),
+            "bnts": P(batch, "model", "seq", None),
+        })
     atten_input_linear = FusedGroupedQKVLinear.default_config().set(
         num_kv_heads=s["num_kv_heads"])
     if rope:
