@@ -13,8 +13,9 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    any policy must either keep or recompute. That makes one exact `graph.LayerGraph` per
    layer: for every save set, the bytes kept and the FLOPs recomputed, jointly. Per core:
    a step the compiler partitions over several devices (a jit over a mesh) has global
-   shapes in its jaxpr, and a value outside a ``shard_map`` counts 1/n of them, n the most
-   pieces any input of the step is split into (`_step._shards`);
+   shapes in its jaxpr, and a value outside a ``shard_map`` counts 1/n of them, n the
+   product of the mesh axes the step's inputs and sharding constraints split anything
+   over (`_step._shards`);
 2. AOT-compiles full remat and every useful tag saved (``jit(step).lower(*args).compile()``),
    reads ``memory_analysis()`` (argument + output + temp - alias) and ``cost_analysis()``,
    and calibrates ``bytes(S) = fixed + scale x kept(S) + slope x read(S)``: kept(S) the
@@ -424,10 +425,10 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
 
 
 def _shards_note(shards: int) -> str:
-    return (f"the step's inputs are split {shards} ways over its devices: the traced bytes "
-            f"and FLOPs (global shapes) count 1/{shards} per core, as memory_analysis() "
-            "reports one core's (exact where the activations are split as the batch is; "
-            "the compiles calibrate the rest)")
+    return (f"the step's values are split {shards} ways over its devices (the mesh axes "
+            f"its inputs are split over): the traced bytes and FLOPs (global shapes) count "
+            f"1/{shards} per core, as memory_analysis() reports one core's (exact for a "
+            "value split over every such axis; the compiles calibrate the rest)")
 
 
 def _spare(graph: StepGraph, tags: Sequence[str]) -> list[_Candidate]:

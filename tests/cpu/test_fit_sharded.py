@@ -2,9 +2,10 @@
 
 `jax.jit` over a mesh compiles one program per device and ``memory_analysis()`` reports
 one device's bytes, while the step's jaxpr has global shapes. The step graph counts per
-core: a value outside a ``shard_map`` at 1/shards of its global bytes (the most pieces
-any input of the step is split into), one inside at its per-shard shape. Each test runs in
-a subprocess with 8 XLA:CPU devices (the count is fixed when JAX's backend starts).
+core: a value outside a ``shard_map`` at 1/shards of its global bytes (shards: the product
+of the mesh axes the step's inputs are split over), one inside at its per-shard shape.
+Each test runs in a subprocess with 8 XLA:CPU devices (the count is fixed when JAX's
+backend starts).
 
 Expected values come from JAX (``saved_residuals`` of one layer at one device's batch),
 from XLA (the compiled plan and ``memory_analysis()``'s argument bytes) or from shapes.
