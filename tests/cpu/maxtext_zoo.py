@@ -254,11 +254,9 @@ def _build(name: str, config: tuple[tuple[str, Any], ...],
     from maxtext.utils import maxtext_utils, sharding  # noqa: PLC0415
 
     cfg = _config(name, config, overrides)
-    if len(jax.devices()) < n_devices:
-        raise RuntimeError(f"{name} needs {n_devices} devices and JAX sees "
-                           f"{len(jax.devices())}: start it with XLA_FLAGS="
-                           f"--xla_force_host_platform_device_count={n_devices}")
-    devices = maxtext_utils.create_device_mesh(cfg, jax.devices()[:n_devices])
+    from host_devices import first  # noqa: PLC0415
+
+    devices = maxtext_utils.create_device_mesh(cfg, first(n_devices, name))
     mesh = Mesh(devices, cfg.mesh_axes, axis_types=(AxisType.Auto,) * len(cfg.mesh_axes))
     (args, _, state_shardings, _, model) = train_compile.get_shaped_inputs(mesh, cfg)
     params_shardings, state_shardings = sharding.maybe_update_params_sharding_with_opt(

@@ -37,8 +37,9 @@ import jax
 import numpy as np
 
 try:
-    from . import zoo
+    from . import host_devices, zoo
 except ImportError:  # imported with tests/cpu on sys.path (fit_sweep's steps modules)
+    import host_devices  # type: ignore[no-redef]
     import zoo  # type: ignore[no-redef]
 
 MODES = ("dp", "fsdp", "tp")
@@ -86,15 +87,10 @@ class Sharded:
         return self.spec().make_step()
 
     def mesh(self) -> jax.sharding.Mesh:
-        found = jax.devices()
-        if len(found) < self.devices:
-            raise RuntimeError(
-                f"{self.name} needs {self.devices} devices and JAX sees {len(found)}: start "
-                f"it with XLA_FLAGS=--xla_force_host_platform_device_count={self.devices}")
+        found = host_devices.first(self.devices, self.name)
         if self.mode == "tp":
-            return jax.sharding.Mesh(np.array(found[:self.devices]).reshape(-1, 2),
-                                     ("data", "model"))
-        return jax.sharding.Mesh(np.array(found[:self.devices]), ("data",))
+            return jax.sharding.Mesh(np.array(found).reshape(-1, 2), ("data", "model"))
+        return jax.sharding.Mesh(np.array(found), ("data",))
 
     def abstract_args(self) -> tuple[Any, Any]:
         mesh = self.mesh()

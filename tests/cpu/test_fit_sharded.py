@@ -14,26 +14,14 @@ from XLA (the compiled plan and ``memory_analysis()``'s argument bytes) or from 
 from __future__ import annotations
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 import textwrap
 
-HERE = pathlib.Path(__file__).resolve().parent
-ROOT = HERE.parent.parent
+import host_devices
 
 
 def _run(code: str) -> dict:
-    env = {**os.environ,
-           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") +
-                         " --xla_force_host_platform_device_count=8").strip(),
-           "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT),
-                                          os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, env=env, timeout=900, cwd=str(ROOT))
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    out = host_devices.run(textwrap.dedent(code), 8)
+    return json.loads(out.strip().splitlines()[-1])
 
 
 _KEPT = """

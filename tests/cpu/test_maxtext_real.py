@@ -286,12 +286,9 @@ def test_maxtext_fsdp_step_counts_per_core():
     core, so 8 x its kept bytes of every tag alone, none and all equal JAX's
     ``saved_residuals`` of MaxText's decoder layer at the global batch, times the layers."""
     import json
-    import os
-    import pathlib
-    import subprocess
-    import sys
 
-    here = pathlib.Path(__file__).resolve().parent
+    import host_devices
+
     code = """
 import json
 import maxtext_zoo as mz
@@ -306,15 +303,7 @@ print(json.dumps({"shards": g.shards, "layers": g.count,
                   "jax": [_jax_residuals(fn, args, s)[0] - _jax_residuals(fn, args, ())[0]
                           for s in sets]}))
 """
-    env = {**os.environ,
-           "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "")
-                         + " --xla_force_host_platform_device_count=8").strip(),
-           "PYTHONPATH": os.pathsep.join([str(here), str(here.parent.parent),
-                                          os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, timeout=900, cwd=str(here.parent.parent))
-    assert done.returncode == 0, done.stderr[-4000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = json.loads(host_devices.run(code, 8).strip().splitlines()[-1])
     assert got["shards"] == 8
     assert [8 * b for b in got["graph"]] == [got["layers"] * j for j in got["jax"]]
     assert max(got["jax"]) > 0

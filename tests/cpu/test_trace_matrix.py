@@ -27,11 +27,7 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import pathlib
 import random
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -42,11 +38,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jcore
 
 import flash_reference as fr
+import host_devices
 from jaxpr_names import names_in
 import neuron_remat as nr
 from neuron_remat import _jax_compat, _jaxpr, planner, policies
 
-HERE = pathlib.Path(__file__).parent
 
 # A covering design: each level of each factor, each (dtype, attention) pair.
 SPECS = [
@@ -250,23 +246,13 @@ def test_layer(spec):
     check_layer(spec)
 
 
-def _in_subprocess(code, devices=4):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-           "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent.parent),
-                                          os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, timeout=900, cwd=str(HERE.parent.parent))
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done.stdout
-
-
 def test_layers_on_a_four_device_mesh():
     skip_unless_jax_remats_shard_map()
     code = ("import json, jax, test_trace_matrix as m\n"
             "assert jax.device_count() == 4, jax.devices()\n"
             "print(json.dumps([m.check_layer(s, flops=i == 0)\n"
             "                  for i, s in enumerate(m.FOUR_DEVICES)]))\n")
-    out = json.loads(_in_subprocess(code).strip().splitlines()[-1])
+    out = json.loads(host_devices.run(code, 4).strip().splitlines()[-1])
     assert [o["label"] for o in out] == [s.label() for s in FOUR_DEVICES]
 
 
@@ -535,7 +521,7 @@ def test_audit_says_which_bytes_are_per_shard():
     """Inside a shard_map a tag's size is per shard and JAX's residual is global: the audit
     states both, says so, and its kept bytes are saved_residuals' (8 shards here)."""
     skip_unless_jax_remats_shard_map()
-    out = _in_subprocess(textwrap.dedent("""
+    out = host_devices.run(textwrap.dedent("""
         import jax, jax.numpy as jnp, numpy as np
         from jax.ad_checkpoint import checkpoint_name as cn
         from jax.sharding import Mesh, PartitionSpec as P
@@ -555,7 +541,7 @@ def test_audit_says_which_bytes_are_per_shard():
                        if not why.startswith("from the argument"))
         t = r.tags[0]
         print(t.bytes, t.kept_bytes, jax_kept, "per shard inside a shard_map" in r.table())
-    """), devices=8)
+    """), 8)
     per_shard, kept, jax_kept, said = out.split()[-4:]
     assert int(per_shard) == 16 * 16 * 4 and int(kept) == int(jax_kept) == 8 * 16 * 16 * 4
     assert said == "True"
