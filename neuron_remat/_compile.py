@@ -144,13 +144,19 @@ def _input_shardings(compiled: Any, args: Sequence[Any], n: int) -> list[Any] | 
 
 def _piece(nbytes: int, sharding: Any, aval: Any) -> int:
     """What one core holds of an argument of `nbytes` laid out by `sharding`."""
+    n = pieces(sharding, tuple(aval.shape))
+    return nbytes if n is None else -(-nbytes // n)
+
+
+def pieces(sharding: Any, shape: tuple[int, ...]) -> int | None:
+    """Into how many pieces `sharding` splits a value of `shape` (1: replicated); None for
+    no sharding, one that cannot say (unspecified, a pytree prefix), or an empty value."""
     try:
-        shape = tuple(aval.shape)
         piece = math.prod(sharding.shard_shape(shape))
     except Exception:  # noqa: BLE001 - no sharding, or not one of JAX's
-        return nbytes
+        return None
     whole = math.prod(shape)
-    return nbytes if not whole or not piece else -(-nbytes * piece // whole)
+    return whole // piece if whole and piece else None
 
 
 def _figures(mem: Any, fields: Sequence[str]) -> tuple[int, ...] | None:

@@ -25,7 +25,7 @@ import jax
 from jax.extend import core as jcore
 
 from . import _jaxpr, _trace
-from ._compile import _jitted
+from ._compile import _jitted, pieces
 from ._format import first_line
 from ._jax_compat import (is_name_primitive, jit_in_shardings, remat3_off,
                           save_only_these_names)
@@ -298,12 +298,7 @@ def _shards(shardings: Iterable[tuple[Any, tuple[int, ...]]]) -> int:
         if axes is not None:
             used.setdefault(tuple(axes[0].items()), set()).update(axes[1])
             continue
-        try:
-            piece = sharding.shard_shape(shape)
-        except Exception:  # noqa: BLE001  unspecified, a pytree prefix, not a sharding
-            continue
-        if shape and math.prod(piece) > 0:
-            most = max(most, math.prod(shape) // math.prod(piece))
+        most = max(most, pieces(sharding, shape) or 1)
     for mesh, names in used.items():
         most = max(most, math.prod(size for n, size in mesh if n in names))
     return most
