@@ -96,7 +96,8 @@ def _policy_fn(policy: Any) -> Any:
 
 
 def model_config(sizes: dict[str, Any], policy: Any, prevent_cse: bool,
-                 rope: bool = True, flash: bool = False, moe: str | None = None) -> Any:
+                 rope: bool = True, flash: bool = False, moe: str | None = None,
+                 trn2: bool = False) -> Any:
     """axlearn's ``causal_lm.Model`` config, as Fuji's ``model_config`` (fuji.py 1064-1103)
     and common.py's ``model_config`` (278-379) build it, `policy` in its ``RematSpec``;
     without `rope`, the attention's input linear is Fuji's ``FusedGroupedQKVLinear`` alone
@@ -105,11 +106,13 @@ def model_config(sizes: dict[str, Any], policy: Any, prevent_cse: bool,
     ``jax.shard_map``; trace it under `mesh()`); with `moe` (one of `MOE_GATINGS`), every
     layer's feed-forward is axlearn's ``TransformerFeedForwardMoE`` routed by it
     (`moe_feed_forward_config`, `sizes` as `MOE_SIZES`), set as common.py sets a "sparse"
-    layer (``config_sparse``, 312-318)."""
+    layer (``config_sparse``, 312-318); with `trn2`, the modules and partition specs of
+    Fuji's TRN2 mesh rule (`trn2_modifications`) but the stack, which stays scanned."""
     import jax.numpy as jnp  # noqa: PLC0415
     from axlearn.common import causal_lm  # noqa: PLC0415
     from axlearn.common.attention import (  # noqa: PLC0415
         FusedGroupedQKVLinear,
+        GroupedQKVLinear,
         GroupedQueryAttention,
         KVCache,
         RepeatedTransformerLayer,
@@ -149,8 +152,11 @@ def model_config(sizes: dict[str, Any], policy: Any, prevent_cse: bool,
             "btnh": P(batch, "seq", "model", None),
             "bnts": P(batch, "model", "seq", None),
         })
-    atten_input_linear = FusedGroupedQKVLinear.default_config().set(
-        num_kv_heads=s["num_kv_heads"])
+    # fuji.py 209-217: TRN2 swaps in GroupedQKVLinear (V3, and 70B), keeping the fields the
+    # two configs share (ModuleConfigModifier._merge_configs, trainer_config_modifier.py
+    # 219-243): num_kv_heads and the projection layer
+    atten_input_linear = (GroupedQKVLinear if trn2 else FusedGroupedQKVLinear
+                          ).default_config().set(num_kv_heads=s["num_kv_heads"])
     if rope:
         atten_qkv_linear = RoFormerQKVLinear.default_config().set(
             input_linear=atten_input_linear, rotary_value=False)
@@ -205,7 +211,33 @@ def model_config(sizes: dict[str, Any], policy: Any, prevent_cse: bool,
     cfg.decoder.logits_partition_spec = (("data", "expert", "fsdp"), "seq", "model")
     set_bias_recursively(cfg, False)
     set_norm_recursively(cfg, RMSNorm.default_config().set(eps=1e-5, forward_dtype=None))
+    if trn2:
+        for path, specs in trn2_modifications().items():
+            cfg.get_recursively(path.split(".")[1:]).set(**specs)
     return cfg
+
+
+def trn2_modifications() -> dict[str, dict[str, Any]]:
+    """The partition specs Fuji's TRN2 mesh rule sets (fuji.py 219-266, with the LM head's
+    for 70B and 8B): the embedding and LM head vocabulary-parallel over ``model``, the norms
+    sequence-parallel (input split along the sequence over ``model``), the feed-forward's
+    output batch-split only. By config path, as ``PartitionSpecModifier`` takes them."""
+    seq_parallel = {"input_partition_spec": (("data", "fsdp"), "model", None),
+                    "output_partition_spec": (("data", "fsdp"), None, None)}
+    vocab_parallel = ("model", ("expert", "fsdp", "seq"))
+    return {
+        "model.decoder.emb.token_emb": {
+            "param_partition_spec": vocab_parallel,
+            "input_partition_spec": (("data", "fsdp"), None),
+            "output_partition_spec": (("data", "fsdp"), None, None),
+            "embedding_partition_spec": ("model", None)},
+        "model.decoder.transformer.layer.self_attention.norm": seq_parallel,
+        "model.decoder.transformer.layer.feed_forward.norm": seq_parallel,
+        "model.decoder.output_norm": seq_parallel,
+        "model.decoder.transformer.layer.feed_forward.linear2": {
+            "output_partition_spec": (("data", "fsdp"), None, None)},
+        "model.decoder.lm_head": {"param_partition_spec": vocab_parallel},
+    }
 
 
 @dataclass(frozen=True)
@@ -223,18 +255,24 @@ class AxlearnSpec:
     extra: dict[str, Any] = field(default_factory=dict)
     scan: bool = True
     devices: int = 1
-    """The devices of `mesh` (its ``fsdp`` axis); above 1 the batch is split over
-    ``("data", "fsdp")``, as axlearn's input partition does, and the process must see that
-    many devices (``XLA_FLAGS=--xla_force_host_platform_device_count=8``)."""
+    """The devices of `mesh`; above 1 the batch is split over ``("data", "fsdp")``, as
+    axlearn's input partition does, and the process must see that many devices
+    (``XLA_FLAGS=--xla_force_host_platform_device_count=8``)."""
+    model: int = 1
+    """The mesh's ``model`` axis (tensor parallelism), `devices` // `model` along ``fsdp``."""
+    trn2: bool = False
+    """Fuji's TRN2 layout (`model_config`'s `trn2`), the state split as the parameters'
+    partition specs say (as axlearn's trainer lays it out)."""
 
     def _model(self, policy: Any) -> Any:
         return model_config(self.sizes, policy, self.prevent_cse, self.rope, self.flash,
-                            self.moe).set(name="model").instantiate(parent=None)
+                            self.moe, self.trn2).set(name="model").instantiate(parent=None)
 
     def abstract_args(self) -> tuple[Any, Any]:
         """((abstract float32 parameters, abstract AdamW state), abstract input batch)."""
         return _abstract_args(self.name, tuple(sorted(self.sizes.items())),
-                              self.prevent_cse, self.rope, self.flash, self.moe, self.devices)
+                              self.prevent_cse, self.rope, self.flash, self.moe, self.devices,
+                              self.model, self.trn2)
 
     def make_step(self) -> Callable[[Any], Any]:
         def make(policy: Any) -> Any:
@@ -243,17 +281,18 @@ class AxlearnSpec:
         return make
 
 
-def mesh(devices: int = 1) -> Any:
-    """A mesh over Fuji's axes, `devices` along ``fsdp`` (one device by default):
-    axlearn's ``FlashAttention`` reads the mesh its kernel's ``shard_map`` runs on from the
-    one in effect."""
+def mesh(devices: int = 1, model: int = 1) -> Any:
+    """A mesh over Fuji's axes, `devices` // `model` along ``fsdp`` and `model` along
+    ``model`` (one device by default): axlearn's ``FlashAttention`` reads the mesh its
+    kernel's ``shard_map`` runs on from the one in effect, and axlearn's sharding
+    constraints apply only under one."""
     import jax  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
 
     from host_devices import first  # noqa: PLC0415
 
     return jax.sharding.Mesh(np.array(first(devices, "a mesh of Fuji's axes")).reshape(
-        1, 1, devices, 1, 1),
+        1, 1, devices // model, 1, model),
                              ("data", "expert", "fsdp", "seq", "model"))
 
 
@@ -266,25 +305,47 @@ def _optimizer() -> Any:
 @functools.lru_cache(maxsize=None)
 def _abstract_args(name: str, sizes: tuple[tuple[str, Any], ...],
                    prevent_cse: bool, rope: bool, flash: bool,
-                   moe: str | None, devices: int = 1) -> tuple[Any, Any]:
+                   moe: str | None, devices: int = 1, tp: int = 1,
+                   trn2: bool = False) -> tuple[Any, Any]:
     del name
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
 
     s = dict(sizes)
     model = model_config(s, jax.checkpoint_policies.nothing_saveable, prevent_cse, rope,
-                         flash, moe).set(name="model").instantiate(parent=None)
+                         flash, moe, trn2).set(name="model").instantiate(parent=None)
     tx = _optimizer()
 
     def state() -> Any:
         params = model.initialize_parameters_recursively(jax.random.PRNGKey(0))
         return params, tx.init(params)
 
+    P = jax.sharding.PartitionSpec  # noqa: N806
     split = None if devices == 1 else jax.sharding.NamedSharding(
-        mesh(devices), jax.sharding.PartitionSpec(("data", "fsdp"), None))
+        mesh(devices, tp), P(("data", "fsdp"), None))
     batch = {k: jax.ShapeDtypeStruct((s["batch"], s["seq"]), jnp.int32, sharding=split)
              for k in ("input_ids", "target_labels")}
-    return jax.eval_shape(state), batch
+    abstract = jax.eval_shape(state)
+    if not trn2:
+        return abstract, batch
+    # the trainer's layout (trainer.py: the learner's state partition from the model's
+    # parameter specs): each parameter, and AdamW's two moments of it, as its
+    # ``mesh_axes`` say; the step count replicated
+    specs = jax.tree.map(lambda spec: jax.sharding.NamedSharding(
+        mesh(devices, tp), P(*spec.mesh_axes)), model.create_parameter_specs_recursively(),
+        is_leaf=lambda x: hasattr(x, "mesh_axes"))
+    everywhere = jax.sharding.NamedSharding(mesh(devices, tp), P())
+
+    def laid(tree: Any, shardings: Any) -> Any:
+        return jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                            tree, shardings)
+
+    params, opt = abstract
+    adam = opt[0]._replace(mu=laid(opt[0].mu, specs), nu=laid(opt[0].nu, specs),
+                           count=laid(opt[0].count, everywhere))
+    rest = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=everywhere),
+                        opt[1:])
+    return (laid(params, specs), (adam, *rest)), batch
 
 
 def _make(spec: AxlearnSpec, policy: Any) -> Any:
@@ -310,7 +371,8 @@ def _make(spec: AxlearnSpec, policy: Any) -> Any:
 
     def step(state: Any, batch: Any) -> tuple[Any, Any]:
         params, opt = state
-        with mesh(spec.devices) if spec.flash else contextlib.nullcontext():
+        with mesh(spec.devices, spec.model) if spec.flash or spec.devices > 1 \
+                else contextlib.nullcontext():
             loss, grads = jax.value_and_grad(loss_fn)(params, batch)
         updates, opt = tx.update(grads, opt, params)
         return (optax.apply_updates(params, updates), opt), loss
@@ -355,9 +417,23 @@ SHARDED: dict[str, AxlearnSpec] = {s.name: s for s in [
         note=_FUJI + "; RoPE; axlearn's FlashAttention, its kernel's shard_map over a mesh "
              "of 8 devices along fsdp; the batch x8 split over (data, fsdp), the state "
              "replicated; needs a process that sees 8 devices"),
+    AxlearnSpec(
+        "axlearn-fuji-trn2-tp4", dict(SIZES, num_heads=8, num_kv_heads=4, batch=4),
+        prevent_cse=True, rope=True, flash=True, devices=8, model=4, trn2=True,
+        note=_FUJI.replace("GQA 4:2 via FusedGroupedQKVLinear", "GQA 8:4 via "
+                           "GroupedQKVLinear") + "; Fuji-70B's TRN2 layout (fuji.py 186-271, "
+             "888-920) but the scanned stack: a mesh of 2 along fsdp x 4 along model over 8 "
+             "devices, the state split by the parameters' partition specs, sequence-"
+             "parallel norms, vocabulary-parallel embedding and head, FlashAttention with "
+             "Fuji's kernel specs, RematSpec(prevent_cse=True); 4 x 128 tokens split over "
+             "fsdp; needs a process that sees 8 devices"),
 ]}
 """axlearn's steps over several devices (not in `STEPS`: a process sees its device count
-from the start; ``axlearn_fit.py --host-devices 8 --steps axlearn-fuji-flash-fsdp8``)."""
+from the start; ``axlearn_fit.py --host-devices 8 --steps axlearn-fuji-flash-fsdp8``).
+``axlearn-fuji-trn2-tp4`` is the layout Fuji-70B trains in on TRN2 (tensor parallelism
+within a chip, FSDP across), the one departure its scanned stack (the rule's
+``StackedTransformerLayer`` is an unrolled loop, whose memory XLA:CPU keeps whatever the
+policy)."""
 
 
 # --------------------------------------------------------------------------------------

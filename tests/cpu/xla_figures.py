@@ -4,6 +4,7 @@ by the package (whose `fit` keeps its own sum)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 
@@ -75,3 +76,33 @@ def jax_kept_bytes(fn: Any, args: Any, activation: int = 0) -> int:
     return sum(int(a.size) * a.dtype.itemsize for a, why in saved_residuals(fn, *args)
                if not why.startswith("from the argument") or why == mine[0]
                or why.startswith(mine[1:]))
+
+
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+             "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def first_loop_arrays(compiled: Any) -> Counter:
+    """The arrays the compiled program's first ``while`` loop returns (XLA's optimized HLO,
+    per device: after SPMD partitioning, one device's shapes), by type (``bf16[4,2,32,128]``).
+    In a training step over a scanned stack that loop is the forward scan, which returns
+    the carry and, stacked over the layers, the residuals the backward reads: what saving
+    a tag adds there is what XLA keeps for it on one device."""
+    import re  # noqa: PLC0415
+
+    for line in compiled.as_text().splitlines():
+        if " while(" in line and "=" in line:
+            result = line.split("=", 1)[1].split(" while(", 1)[0]
+            return Counter(re.findall(r"([a-z]+\d*\[[\d,]*\])", result))
+    raise AssertionError("the compiled program has no while loop")
+
+
+def array_bytes(arrays: Counter) -> int:
+    """Bytes of `arrays` (`first_loop_arrays`' types, with their counts)."""
+    import math  # noqa: PLC0415
+
+    total = 0
+    for kind, n in arrays.items():
+        dtype, dims = kind[:-1].split("[")
+        total += n * _ITEMSIZE[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
