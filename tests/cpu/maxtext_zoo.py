@@ -316,9 +316,19 @@ SHARDED: dict[str, MaxTextSpec] = {s.name: s for s in [
         note=f"MaxText {MAXTEXT_VERSION}'s train_step as maxtext-llama2, over 8 CPU devices: "
              "MaxText's own mesh and rules (fsdp 8: the batch and the state split 8 ways), "
              "per-device batch 2; needs a process that sees 8 devices"),
+    MaxTextSpec(
+        "maxtext-llama2-fsdp2tp4", {**CONFIG, "ici_fsdp_parallelism": 2,
+                                    "ici_tensor_parallelism": 4, "base_num_query_heads": 8,
+                                    "base_num_kv_heads": 4, "head_dim": 16}, devices=8,
+        note=f"MaxText {MAXTEXT_VERSION}'s train_step as maxtext-llama2 with 8 query heads "
+             "over 4 K/V heads of 16, over 8 CPU devices in a TRN2 job's layout: tensor "
+             "parallelism 4 (within a chip) x fsdp 2, MaxText's own mesh and rules, "
+             "per-device batch 2; needs a process that sees 8 devices"),
 ]}
 """MaxText's steps over several devices (not in `STEPS`: a process sees its device count
-from the start; ``maxtext_fit.py --host-devices 8 --steps maxtext-llama2-fsdp8``)."""
+from the start; ``maxtext_fit.py --host-devices 8 --steps maxtext-llama2-fsdp8``).
+``maxtext-llama2-fsdp2tp4`` has a TRN2 job's shape: tensor parallelism within a chip, FSDP
+across."""
 
 LAYERS: dict[str, MaxTextSpec] = {s.name: s for s in [
     STEPS["maxtext-llama2"],

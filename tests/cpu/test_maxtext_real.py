@@ -14,7 +14,9 @@ on it.
 * `fit` on MaxText's ``train_step`` at HBM sizes between full remat and no remat: the
   plan's policy, compiled, fits and has the figures the plan states; against the
   compiled brute force over MaxText's most useful tags (slow), the gap is at most 2
-  points of step FLOPs and there is no refusal while some set fits.
+  points of step FLOPs and there is no refusal while some set fits;
+* MaxText's step over 8 devices counts per core: at fsdp 8 against JAX's residuals, and
+  with tensor parallelism 4 x fsdp 2 against what XLA's partitioned program keeps.
 """
 
 from __future__ import annotations
@@ -307,3 +309,38 @@ print(json.dumps({"shards": g.shards, "layers": g.count,
     assert got["shards"] == 8
     assert [8 * b for b in got["graph"]] == [got["layers"] * j for j in got["jax"]]
     assert max(got["jax"]) > 0
+
+
+def test_maxtext_tensor_parallel_step_counts_each_tag_as_xla_partitions_it():
+    """MaxText's train step with tensor parallelism 4 x fsdp 2 over 8 devices (the layout
+    of a TRN2 job: tensor parallelism within a chip): per core, the graph's kept bytes of
+    each tag alone and of all together are what XLA's partitioned program keeps on one
+    device for them, the arrays its forward scan returns beyond full remat's. MaxText's
+    rules split every tagged activation 8 ways, the attention and MLP outputs along the
+    embedding over ``tensor``, so the step's one divisor is exact."""
+    import json
+
+    import host_devices
+
+    code = """
+import json
+import maxtext_zoo as mz
+from jax._src.ad_checkpoint import save_only_these_names
+from neuron_remat import _step
+from xla_figures import array_bytes, first_loop_arrays
+spec = mz.SHARDED["maxtext-llama2-fsdp2tp4"]
+make_step, args = spec.make_step(), spec.abstract_args()
+g = _step.step_graph(make_step, *args)
+def xla(saved):
+    return first_loop_arrays(make_step(save_only_these_names(*saved)).lower(*args).compile())
+base, out = xla(()), {"shards": g.shards, "graph": {}, "xla": {}}
+for saved in [*((t,) for t in g.tags), tuple(g.tags)]:
+    got = xla(saved)
+    out["graph"][",".join(saved)] = g.kept_bytes(saved) - g.kept_bytes(())
+    out["xla"][",".join(saved)] = array_bytes(got - base) - array_bytes(base - got)
+print(json.dumps(out))
+"""
+    got = json.loads(host_devices.run(code, 8).strip().splitlines()[-1])
+    assert got["shards"] == 8
+    assert got["graph"] == got["xla"]
+    assert got["xla"]["out_proj"] > 0 and got["xla"]["mlpwi_0"] > 0, got
