@@ -193,29 +193,6 @@ def test_fit_between_full_and_no_remat_states_its_compile(step):
                                                         compiled_flops(compiled))
 
 
-_TRN2_PER_CORE = """
-import json
-import axlearn_zoo as az
-from jax._src.ad_checkpoint import save_only_these_names
-from neuron_remat import _step
-from xla_figures import array_bytes, first_loop_arrays
-
-spec = az.SHARDED["axlearn-fuji-trn2-tp4"]
-make_step, args = spec.make_step(), spec.abstract_args()
-graph = _step.step_graph(make_step, *args)
-
-def xla(saved):
-    return first_loop_arrays(make_step(save_only_these_names(*saved)).lower(*args).compile())
-
-base, out = xla(()), {"shards": graph.shards, "graph": {}, "xla": {}}
-for saved in [*((t,) for t in graph.tags), tuple(graph.tags)]:
-    got = xla(saved)
-    out["graph"][",".join(saved)] = graph.kept_bytes(saved) - graph.kept_bytes(())
-    out["xla"][",".join(saved)] = array_bytes(got - base) - array_bytes(base - got)
-print(json.dumps(out))
-"""
-
-
 def test_trn2_layout_counts_each_tag_as_xla_partitions_it():
     """Fuji's TRN2 layout over 8 devices (2 along fsdp x 4 along model: its mesh rule's
     tensor parallelism within a chip, sequence-parallel norms, the state split by the
@@ -225,13 +202,9 @@ def test_trn2_layout_counts_each_tag_as_xla_partitions_it():
     every tag is split 8 ways (the heads or hidden units over model, the batch over fsdp,
     and the attention output along the sequence over model), so the step's one divisor
     is exact; counted globally each would be 8 times XLA's."""
-    import json
-    import textwrap
+    from xla_figures import per_device_residuals
 
-    import host_devices
-
-    got = json.loads(host_devices.run(textwrap.dedent(_TRN2_PER_CORE), 8)
-                     .strip().splitlines()[-1])
+    got = per_device_residuals("axlearn_zoo", "SHARDED", "axlearn-fuji-trn2-tp4", 8)
     assert got["shards"] == 8
     assert got["graph"] == got["xla"]
     assert all(v > 0 for k, v in got["xla"].items() if "proj" in k or "linear1" in k), got

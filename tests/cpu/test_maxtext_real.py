@@ -318,29 +318,9 @@ def test_maxtext_tensor_parallel_step_counts_each_tag_as_xla_partitions_it():
     device for them, the arrays its forward scan returns beyond full remat's. MaxText's
     rules split every tagged activation 8 ways, the attention and MLP outputs along the
     embedding over ``tensor``, so the step's one divisor is exact."""
-    import json
+    from xla_figures import per_device_residuals
 
-    import host_devices
-
-    code = """
-import json
-import maxtext_zoo as mz
-from jax._src.ad_checkpoint import save_only_these_names
-from neuron_remat import _step
-from xla_figures import array_bytes, first_loop_arrays
-spec = mz.SHARDED["maxtext-llama2-fsdp2tp4"]
-make_step, args = spec.make_step(), spec.abstract_args()
-g = _step.step_graph(make_step, *args)
-def xla(saved):
-    return first_loop_arrays(make_step(save_only_these_names(*saved)).lower(*args).compile())
-base, out = xla(()), {"shards": g.shards, "graph": {}, "xla": {}}
-for saved in [*((t,) for t in g.tags), tuple(g.tags)]:
-    got = xla(saved)
-    out["graph"][",".join(saved)] = g.kept_bytes(saved) - g.kept_bytes(())
-    out["xla"][",".join(saved)] = array_bytes(got - base) - array_bytes(base - got)
-print(json.dumps(out))
-"""
-    got = json.loads(host_devices.run(code, 8).strip().splitlines()[-1])
+    got = per_device_residuals("maxtext_zoo", "SHARDED", "maxtext-llama2-fsdp2tp4", 8)
     assert got["shards"] == 8
     assert got["graph"] == got["xla"]
     assert got["xla"]["out_proj"] > 0 and got["xla"]["mlpwi_0"] > 0, got
