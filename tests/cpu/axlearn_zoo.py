@@ -328,9 +328,9 @@ def _abstract_args(name: str, sizes: tuple[tuple[str, Any], ...],
     abstract = jax.eval_shape(state)
     if not trn2:
         return abstract, batch
-    # the trainer's layout (trainer.py: the learner's state partition from the model's
-    # parameter specs): each parameter, and AdamW's two moments of it, as its
-    # ``mesh_axes`` say; the step count replicated
+    # the trainer's layout (trainer.py 355-362: the parameters' partition from the model's
+    # parameter specs, the learner's state partition from them): each parameter, and
+    # AdamW's two moments of it, as its ``mesh_axes`` say; the step count replicated
     specs = jax.tree.map(lambda spec: jax.sharding.NamedSharding(
         mesh(devices, tp), P(*spec.mesh_axes)), model.create_parameter_specs_recursively(),
         is_leaf=lambda x: hasattr(x, "mesh_axes"))
