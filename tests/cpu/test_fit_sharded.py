@@ -8,7 +8,8 @@ Each test runs in a subprocess with 8 XLA:CPU devices (the count is fixed when J
 backend starts).
 
 Expected values come from JAX (``saved_residuals`` of one layer at one device's batch),
-from XLA (the compiled plan and ``memory_analysis()``'s argument bytes) or from shapes.
+from XLA (the compiled plan, ``memory_analysis()``'s argument bytes, the partitioned
+program's per-device residuals) or from shapes.
 """
 
 from __future__ import annotations
@@ -80,6 +81,20 @@ def test_tensor_parallel_heads_count_per_core():
     # the sets: none, each of q, k, v, o, wi0, wi1 alone, all; the heads' and hidden units'
     for i in (1, 2, 3, 5, 6):
         assert got["graph"][i] == got["layers"] * got["jax"][i] > 0, i
+
+
+def test_tensor_parallel_counts_against_xlas_partitioned_program():
+    """The same step held to what XLA's partitioned program keeps on one device (the
+    arrays its forward scan returns beyond full remat's): q, k, v and the FFN's hidden
+    units exactly, and the one divisor's limit measured: the output projection's result,
+    which the partitioner keeps whole over ``model``, counts half of what a core holds."""
+    from xla_figures import per_device_residuals
+
+    got = per_device_residuals("sharded_zoo", "STEPS", "big-state-dp4tp2", 8)
+    graph, xla = got["graph"], got["xla"]
+    for tag in ("q", "k", "v", "wi0", "wi1"):
+        assert graph[tag] == xla[tag] > 0, tag
+    assert 2 * graph["o"] == xla["o"] > 0
 
 
 def test_the_shards_come_from_the_jit_and_a_shard_map_counts_once():
