@@ -85,14 +85,15 @@ def test_tensor_parallel_heads_count_per_core():
 
 def test_tensor_parallel_counts_against_xlas_partitioned_program():
     """The same step held to what XLA's partitioned program keeps on one device (the
-    arrays its forward scan returns beyond full remat's): q, k, v and the FFN's hidden
-    units exactly, and the one divisor's limit measured: the output projection's result,
+    arrays its forward scan returns beyond full remat's): q and the FFN's hidden units
+    exactly, and the one divisor's limit measured: the output projection's result,
     which the partitioner keeps whole over ``model``, counts half of what a core holds."""
     from xla_figures import per_device_residuals
 
-    got = per_device_residuals("sharded_zoo", "STEPS", "big-state-dp4tp2", 8)
+    got = per_device_residuals("sharded_zoo", "STEPS", "big-state-dp4tp2", 8,
+                               tags=("q", "o", "wi0"))  # the heads, the output, the units
     graph, xla = got["graph"], got["xla"]
-    for tag in ("q", "k", "v", "wi0", "wi1"):
+    for tag in ("q", "wi0"):
         assert graph[tag] == xla[tag] > 0, tag
     assert 2 * graph["o"] == xla["o"] > 0
 

@@ -113,14 +113,15 @@ import json, sys
 from jax._src.ad_checkpoint import save_only_these_names
 from neuron_remat import _step
 from xla_figures import array_bytes, first_loop_arrays
-zoo, table, name = sys.argv[1:4]
+zoo, table, name, only = sys.argv[1:5]
 spec = getattr(__import__(zoo), table)[name]
 make_step, args = spec.make_step(), spec.abstract_args()
 graph = _step.step_graph(make_step, *args)
+tags = [t for t in graph.tags if not only or t in only.split(",")]
 def xla(saved):
     return first_loop_arrays(make_step(save_only_these_names(*saved)).lower(*args).compile())
 base, out = xla(()), {"shards": graph.shards, "graph": {}, "xla": {}}
-for saved in [*((t,) for t in graph.tags), tuple(graph.tags)]:
+for saved in [*((t,) for t in tags), tuple(tags)]:
     got = xla(saved)
     out["graph"][",".join(saved)] = graph.kept_bytes(saved) - graph.kept_bytes(())
     out["xla"][",".join(saved)] = array_bytes(got - base) - array_bytes(base - got)
@@ -128,15 +129,17 @@ print(json.dumps(out))
 """
 
 
-def per_device_residuals(zoo: str, table: str, name: str, devices: int) -> dict[str, Any]:
+def per_device_residuals(zoo: str, table: str, name: str, devices: int,
+                         tags: tuple[str, ...] = ()) -> dict[str, Any]:
     """For the step `name` of ``<zoo>.<table>`` (a scanned step over `devices` devices),
     in a process that sees that many: ``{"shards": the step graph's divisor, "graph":
     {tags: the graph's kept bytes over full remat}, "xla": {tags: what XLA keeps per device
     over full remat (`first_loop_arrays`)}}``, for each tag alone and all together (the
-    tags joined by commas)."""
+    tags joined by commas): the step's, or those of them in `tags` when given."""
     import json  # noqa: PLC0415
 
     import host_devices  # noqa: PLC0415
 
-    code = f"import sys; sys.argv[1:] = {[zoo, table, name]!r}\n" + _PER_DEVICE
+    code = (f"import sys; sys.argv[1:] = {[zoo, table, name, ','.join(tags)]!r}\n"
+            + _PER_DEVICE)
     return json.loads(host_devices.run(code, devices).strip().splitlines()[-1])
