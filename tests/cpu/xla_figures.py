@@ -108,34 +108,45 @@ def array_bytes(arrays: Counter) -> int:
     return total
 
 
+def kept_against_xla(make_step: Any, args: Any, graph: Any,
+                     tags: Any = None) -> dict[str, dict[str, int]]:
+    """For each of `tags` alone and all of them together (the step graph's tags when
+    None; keys: the tags joined by commas): ``{"graph": the step graph's kept bytes over
+    full remat, "xla": what the compiled program keeps per device over full remat}``
+    (`first_loop_arrays`; it raises where the program has no loop to read)."""
+    from jax._src.ad_checkpoint import save_only_these_names  # noqa: PLC0415
+
+    def xla(saved: tuple[str, ...]) -> Counter:
+        return first_loop_arrays(make_step(save_only_these_names(*saved)).lower(*args)
+                                 .compile())
+
+    chosen = list(graph.tags if tags is None else tags)
+    base, out = xla(()), {"graph": {}, "xla": {}}
+    for saved in [*((t,) for t in chosen), tuple(chosen)]:
+        got = xla(saved)
+        out["graph"][",".join(saved)] = graph.kept_bytes(saved) - graph.kept_bytes(())
+        out["xla"][",".join(saved)] = array_bytes(got - base) - array_bytes(base - got)
+    return out
+
+
 _PER_DEVICE = """
 import json, sys
-from jax._src.ad_checkpoint import save_only_these_names
 from neuron_remat import _step
-from xla_figures import array_bytes, first_loop_arrays
+from xla_figures import kept_against_xla
 zoo, table, name, only = sys.argv[1:5]
 spec = getattr(__import__(zoo), table)[name]
 make_step, args = spec.make_step(), spec.abstract_args()
 graph = _step.step_graph(make_step, *args)
 tags = [t for t in graph.tags if not only or t in only.split(",")]
-def xla(saved):
-    return first_loop_arrays(make_step(save_only_these_names(*saved)).lower(*args).compile())
-base, out = xla(()), {"shards": graph.shards, "graph": {}, "xla": {}}
-for saved in [*((t,) for t in tags), tuple(tags)]:
-    got = xla(saved)
-    out["graph"][",".join(saved)] = graph.kept_bytes(saved) - graph.kept_bytes(())
-    out["xla"][",".join(saved)] = array_bytes(got - base) - array_bytes(base - got)
-print(json.dumps(out))
+print(json.dumps({"shards": graph.shards, **kept_against_xla(make_step, args, graph, tags)}))
 """
 
 
 def per_device_residuals(zoo: str, table: str, name: str, devices: int,
                          tags: tuple[str, ...] = ()) -> dict[str, Any]:
     """For the step `name` of ``<zoo>.<table>`` (a scanned step over `devices` devices),
-    in a process that sees that many: ``{"shards": the step graph's divisor, "graph":
-    {tags: the graph's kept bytes over full remat}, "xla": {tags: what XLA keeps per device
-    over full remat (`first_loop_arrays`)}}``, for each tag alone and all together (the
-    tags joined by commas): the step's, or those of them in `tags` when given."""
+    in a process that sees that many: `kept_against_xla`'s figures for the step's tags, or
+    those of them in `tags` when given, and ``"shards"``: the step graph's divisor."""
     import json  # noqa: PLC0415
 
     import host_devices  # noqa: PLC0415

@@ -13,7 +13,6 @@ import sys
 import jax
 import numpy as np
 import pytest
-from jax._src.ad_checkpoint import save_only_these_names
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -23,7 +22,7 @@ from examples import fit_demo  # noqa: E402
 from test_trn2_fit import CONFIG  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tests" / "cpu"))
-from xla_figures import array_bytes, first_loop_arrays  # noqa: E402
+from xla_figures import kept_against_xla  # noqa: E402
 
 F = importlib.import_module("neuron_remat._fit")
 
@@ -43,14 +42,8 @@ def test_a_step_over_several_cores_is_counted_per_core():
     args = (state, tokens)
     graph = F.step_graph(make_step, *args)
     assert graph.shards == n
-    kept = {}
-    for saved in [(), *((t,) for t in graph.tags), tuple(graph.tags)]:
-        compiled = make_step(save_only_these_names(*saved)).lower(*args).compile()
-        try:
-            kept[saved] = first_loop_arrays(compiled)
-        except (AssertionError, NotImplementedError) as err:
-            pytest.skip(f"no optimized HLO with the forward scan to read ({err})")
-    base = kept[()]
-    for saved, arrays in kept.items():
-        xla = array_bytes(arrays - base) - array_bytes(base - arrays)
-        assert graph.kept_bytes(saved) - graph.kept_bytes(()) == xla, (saved, xla, n)
+    try:
+        got = kept_against_xla(make_step, args, graph)
+    except (AssertionError, NotImplementedError) as err:
+        pytest.skip(f"no optimized HLO with the forward scan to read ({err})")
+    assert got["graph"] == got["xla"], n
