@@ -77,7 +77,11 @@ rescue has with memory figures); a set that compiled is at most the
 limit, which bounds its tags' effects where the figures put it over; and two out-of-memory
 figures that differ by less than `FOLLOW` of their sets' kept bytes say memory does not
 follow the kept bytes (then every tag saved, as likely to fit as any set, is compiled if
-it was not and a compile is left, before the search stops).
+it was not and a compile is left, before the search stops). Errors without figures say
+only which sets fit: where the bisection converges with compiles left, the model's
+intercept is placed between what the sets that fit and those that did not allow (per-byte
+scale and workspace slope at 1), and the rest go to the walk on that model
+(`_Search._model_by_outcomes`).
 
 Two steps are reported rather than planned: one whose policy changes nothing (full remat
 and every tag saved compile to the same program: `PolicyIgnoredError`), and one whose

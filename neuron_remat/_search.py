@@ -661,7 +661,9 @@ class _Search:
         puts full remat within `TIGHT` x the uncertainty of the limit (`_tight_by_figures`),
         at convergence or once the budget is spent (fit's own, not the caller's), there are
         `stretch` compiles more, each tag alone first while nothing better than full remat
-        fits (`_stretch_by_figures`), as `_rescue` has with memory figures there."""
+        fits (`_stretch_by_figures`), as `_rescue` has with memory figures there. Where the
+        errors gave no figures, a converged bisection with compiles left walks on a model
+        placed by which sets fit (`_model_by_outcomes`)."""
         front = _frontier(self.candidates)
         if not self.budget_given:  # a budget the user gave is theirs, larger or smaller
             self.max_compiles = _oracle_cap(len(front))
@@ -704,6 +706,12 @@ class _Search:
             best = self._walk() or best
         if not stretched and self.used >= self.max_compiles and self._stretch_by_figures():
             best = self._walk() or best
+        if lo - hi <= 1 and self.model is None and self.used < self.max_compiles \
+                and self._model_by_outcomes():
+            self.log("fit: bisection converged; no out-of-memory figures, so the model is "
+                     "placed between the sets that fit and those that did not: walking "
+                     f"beside the frontier with {self.max_compiles - self.used} compiles left")
+            best = self._walk() or best
         every = self._every
         if best is not None and best.saved is None and every is not None and every.saved \
                 and every.saved not in self.compiled and self.used < self.max_compiles:
@@ -712,6 +720,26 @@ class _Search:
             # one compile more lets fit compare the two (`_fit._fewest_ops`)
             self._measure(every)
         return best
+
+    def _model_by_outcomes(self) -> bool:
+        """No memory figures and no out-of-memory figures: only which compiles fit. With the
+        per-byte scale and the workspace slope at their prior (1), the intercept lies
+        between the limit less the largest (stored + read) of the sets that fit and the
+        limit less the smallest of those that did not: the model takes its middle, and
+        the uncertainty half that interval (at least `FLOOR`). Whether there was such an
+        interval (the outcomes may contradict a model of bytes alone: then no model)."""
+        sets = [(self._by[s], r) for s, r in self.compiled.items()
+                if s is not None and self._known(s)]
+        fit = [c.stored + c.read for c, r in sets if not r.over(self.limit)]
+        over = [c.stored + c.read for c, r in sets if r.over(self.limit)]
+        if not fit or not over:
+            return False
+        top, bottom = self.limit - max(fit), self.limit - min(over)  # bottom < c <= top
+        if bottom >= top:
+            return False
+        self.model = _Model((top + bottom) / 2, 1.0, 1.0)
+        self.sigma = max((top - bottom) / 2, self._floor)
+        return True
 
     def _stretch_by_figures(self) -> bool:
         """With the compile as the oracle and fit's own budget: when the model the

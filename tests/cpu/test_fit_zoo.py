@@ -70,15 +70,17 @@ def test_plan_states_its_policys_compile(small):
     assert rec.stop and f"search: {rec.stop}" in plan.notes  # why it stopped, said twice
 
 
-def test_oracle_bisects_and_its_plan_fits(small):
+@pytest.mark.parametrize("figures", [True, False], ids=["with-figures", "no-figures"])
+def test_oracle_bisects_and_its_plan_fits(small, figures):
     """A SIMULATED backend without memory_analysis() (zoo.OomOracleSimulation): the
-    compile fails with RESOURCE_EXHAUSTED over the limit."""
+    compile fails with RESOURCE_EXHAUSTED over the limit, giving the program's bytes, or
+    (no-figures) with an NCC_EOOM002 that says only that the program does not fit."""
     make_step, args, (full_bytes, _) = small
     hbm = int(full_bytes * 1.15)  # roomy: more than S.TIGHT x S.DEFAULT_BAND to spare,
     assert hbm - full_bytes > S.TIGHT * S.DEFAULT_BAND * hbm  # even as the figures put it
     lines = []
-    plan = nr.fit(zoo.oracle_make_step(make_step, hbm), *args, device=_device(hbm),
-                  reserve=0, progress=lines.append)
+    plan = nr.fit(zoo.oracle_make_step(make_step, hbm, figures=figures), *args,
+                  device=_device(hbm), reserve=0, progress=lines.append)
     rec = plan.compiled
     assert not rec.measured and any("oracle" in n for n in plan.notes)
     got = _measure(make_step(plan.policy), args)
@@ -87,6 +89,8 @@ def test_oracle_bisects_and_its_plan_fits(small):
     front = S._frontier(S._candidates(graph, G._pool(graph, None)))
     assert rec.compiles <= math.log2(len(front)) + 3
     assert not any("compiles more" in line for line in lines), lines
+    overs = [p for p in rec.probes if p.out_of_memory]
+    assert overs and all((p.reported_bytes is not None) == figures for p in overs), overs
 
 
 def test_oracle_explores_more_where_its_figures_put_full_remat_close_to_the_limit(small):
@@ -546,6 +550,27 @@ def test_oracle_reads_a_set_that_compiled_as_at_most_the_limit():
     # the best that fits, by brute force over the table
     best = min((c for c in cands if table[c.saved] <= limit), key=lambda c: c.recompute)
     assert best.saved == ("a", "b", "c")
+    assert got is not None and got.saved == best.saved, (calls, s.stop)
+    assert len(calls) <= S._oracle_cap(len(S._frontier(cands)))
+
+
+def test_oracle_without_figures_walks_the_compiles_left_on_what_fit():
+    """A backend whose out-of-memory errors give no byte figure (neuronx-cc's NCC_EOOM002
+    may say only that the program does not fit): the bisection of the predicted frontier
+    converged after 5 of the oracle's 6 compiles and the search stopped on t0, t3, while
+    t0, t2, t3 (beside the frontier: it keeps more than a frontier set that recomputes as
+    little) fits and recomputes less. Which sets fit places the model between them; the
+    compile left goes to the walk, which finds it."""
+    cands, table = _synthetic(4, seed=15, noise=0.5)
+    lo = table[()]
+    hi = max(table[c.saved] for c in cands if c.saved is not None)
+    limit = int(lo + 0.9 * (hi - lo))
+    # the best that fits, by brute force over the table
+    best = min((c for c in cands if table[c.saved] <= limit), key=lambda c: c.recompute)
+    assert best.saved == ("t0", "t2", "t3")
+    assert best not in S._frontier(cands)
+    got, s, calls = _run(cands, table, limit, oracle=True, figures=False)
+    assert s.oracle and s.model is not None, (calls, s.stop)
     assert got is not None and got.saved == best.saved, (calls, s.stop)
     assert len(calls) <= S._oracle_cap(len(S._frontier(cands)))
 

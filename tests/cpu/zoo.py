@@ -30,7 +30,9 @@ and are what benchmarks/fit_sweep.py reports on separately.
 `OomOracleSimulation` is a SIMULATION of a backend without ``memory_analysis()``: it
 compiles the real step on XLA:CPU and raises an XLA-style ``RESOURCE_EXHAUSTED`` error when
 the compiled bytes exceed a limit, and otherwise returns a compiled object whose
-``memory_analysis()`` raises, as the Neuron PJRT plugin may.
+``memory_analysis()`` raises, as the Neuron PJRT plugin may. With ``figures=False`` the
+error gives no byte figure (a neuronx-cc ``NCC_EOOM002`` that says only that the program
+does not fit): the compile says no more than whether it fits.
 """
 
 from __future__ import annotations
@@ -352,14 +354,19 @@ class _NoMemoryCompiled:
 
 
 class _Lowered:
-    def __init__(self, lowered: Any, limit: int, compile_fn: Callable[[Any], Any]) -> None:
+    def __init__(self, lowered: Any, limit: int, compile_fn: Callable[[Any], Any],
+                 figures: bool = True) -> None:
         self._lowered, self._limit, self._compile_fn = lowered, limit, compile_fn
+        self._figures = figures
 
     def compile(self) -> Any:
         compiled = self._compile_fn(self._lowered)
         m = compiled.memory_analysis()
         total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                  - m.alias_size_in_bytes)
+        if total > self._limit and not self._figures:
+            raise SimulatedOutOfMemory(
+                "NCC_EOOM002: (simulated) the program does not fit the device's memory")
         if total > self._limit:
             raise SimulatedOutOfMemory(
                 f"RESOURCE_EXHAUSTED: (simulated) the program needs {total} bytes of device "
@@ -375,19 +382,23 @@ class OomOracleSimulation:
     object whose ``memory_analysis()`` raises."""
 
     def __init__(self, step: Any, limit: int,
-                 compile_fn: Callable[[Any], Any] = lambda lowered: lowered.compile()) -> None:
+                 compile_fn: Callable[[Any], Any] = lambda lowered: lowered.compile(),
+                 figures: bool = True) -> None:
         self._step, self._limit, self._compile_fn = step, limit, compile_fn
+        self._figures = figures  # whether an out-of-memory error gives the bytes
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._step(*args, **kwargs)
 
     def lower(self, *args: Any) -> _Lowered:
-        return _Lowered(self._step.lower(*args), self._limit, self._compile_fn)
+        return _Lowered(self._step.lower(*args), self._limit, self._compile_fn, self._figures)
 
     def trace(self, *args: Any) -> Any:
         return self._step.trace(*args)
 
 
-def oracle_make_step(make_step: Callable[[Any], Any], limit: int) -> Callable[[Any], Any]:
-    """`make_step` whose steps run under `OomOracleSimulation` at `limit` bytes."""
-    return lambda policy: OomOracleSimulation(make_step(policy), limit)
+def oracle_make_step(make_step: Callable[[Any], Any], limit: int,
+                     figures: bool = True) -> Callable[[Any], Any]:
+    """`make_step` whose steps run under `OomOracleSimulation` at `limit` bytes, whose
+    out-of-memory errors give the program's bytes (with `figures` False, no figure)."""
+    return lambda policy: OomOracleSimulation(make_step(policy), limit, figures=figures)
