@@ -11,8 +11,8 @@ over f32 weights, optax AdamW, donated state, the policy in the layer's ``RematS
 are held out: nothing in `fit` was tuned on them. Everything else is
 benchmarks/maxtext_fit.py's (`sweep_real_step`: the brute force over the 6, ``--tags``, most
 useful tags axlearn emits and no remat, cached by save set in
-``OUT/axlearn_brute/<step>.json``; `fit` at 101 sizes in both modes; the gaps, refusals and
-compiles).
+``OUT/axlearn_brute/<step>.json``; `fit` at 101 sizes in both modes, three with
+``--bare-oracle``; the gaps, refusals and compiles).
 
 A step `fit` refuses to read (a ValueError, e.g. an equation neuron_remat does not follow)
 is reported with the error, the other steps are swept, and the script then exits non-zero.
@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         step, more = MF.sweep_real_step(name, spec, graph, "axlearn", az.AXLEARN_COMMIT[:8],
                                         args.out / "axlearn_brute", max_tags, n_sizes,
                                         args.max_compiles, args.brute_only, say,
-                                        args.spare)
+                                        args.spare, args.bare_oracle)
         lines += more
         if step is not None:
             result["steps"][name] = step

@@ -17,8 +17,9 @@ For each step:
    no remat, one simulated core, no reserve. At each size `fit` runs with its compiles
    served from that cache (counted as compiles all the same), in two modes:
    ``memory_analysis`` (the compiled bytes are read) and ``oracle`` (zoo's
-   `OomOracleSimulation`: the compile fails with RESOURCE_EXHAUSTED over the limit, and
-   ``memory_analysis()`` raises);
+   `OomOracleSimulation`: the compile fails with RESOURCE_EXHAUSTED over the limit,
+   giving the program's bytes, and ``memory_analysis()`` raises), and with
+   ``--bare-oracle`` a third, ``oracle_bare`` (the same but the error gives no figure);
 3. per step and mode: whether each plan fits, the gap in points of step FLOPs to the best
    compiled set that fits (XLA counts a scan body once: a FLOP difference times the layer
    count), refusals while some set fits, and the compiles; then the issue's "done when"
@@ -29,7 +30,10 @@ without ``candidates`` (it compiles those tags where full remat does not fit or 
 tightly, and before a refusal). ``--small``: two steps, three tags, ten sizes.
 ``--max-compiles N``: `fit` gets that budget instead of its own (its ``max_compiles=``), to
 tell a miss the budget causes from one its model causes (the search stops with compiles
-left: the best set is not plausible to it).
+left: the best set is not plausible to it). ``--bare-oracle``: a third mode, ``oracle_bare``,
+whose simulated out-of-memory errors give no byte figure (a neuronx-cc NCC_EOOM002 may say
+only that the program does not fit), so that each compile says only whether it fits;
+reported beside the others, its compiles held to the oracle's cap.
 """
 
 from __future__ import annotations
@@ -54,6 +58,11 @@ MiB = 1 << 20
 MAX_TAGS = 8
 """Tags per step in the brute force (at most 2**8 sets, each compiled once and cached)."""
 NO_REMAT = "__no_remat__"
+MODES = ("memory_analysis", "oracle")
+"""The modes every sweep runs: the compiled bytes read, and the compile as the oracle (its
+out-of-memory errors give the program's bytes)."""
+BARE = "oracle_bare"
+"""``--bare-oracle``'s mode: the compile as the oracle, its errors without byte figures."""
 
 
 def _zoo() -> Any:
@@ -263,7 +272,8 @@ def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
     for hbm in sizes:
         counter[0] = 0
         device = nr.parse_device(f"trn2.48xlarge:hbm={hbm}B:cores=1", source="fit_sweep")
-        ms = make if mode == "memory_analysis" else zoo.oracle_make_step(make, hbm)
+        ms = make if mode == "memory_analysis" else zoo.oracle_make_step(
+            make, hbm, figures=mode != BARE)
         best = _best(brute, hbm)
         row: dict[str, Any] = {"hbm": hbm, "best": None if best is None else
                                (None if best[1] is None else list(best[1])),
@@ -360,6 +370,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                    help="XLA:CPU makes N devices (XLA_FLAGS' "
                         "--xla_force_host_platform_device_count, set before JAX starts): "
                         "for steps laid out over several, e.g. tests.cpu.sharded_zoo's")
+    p.add_argument("--bare-oracle", action="store_true", help=BARE_HELP)
     args = p.parse_args(argv)
     say = C.Printer(args.quiet)
     if args.host_devices:
@@ -416,10 +427,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "no_remat_bytes": brute.get(None)["bytes"], "modes": {}}
         sizes = _sizes(brute, n_sizes)
         n_front = len(SR._frontier(SR._candidates(graph, own)))  # fit's pool
-        for mode in ("memory_analysis", "oracle"):
+        for mode in modes(args.bare_oracle):
             rows = sweep_step(brute, mode, sizes, graph, F, zoo, args.max_compiles,
                               args.spare)
-            step["modes"][mode] = {"summary": _summary(rows, n_front, mode == "oracle"),
+            step["modes"][mode] = {"summary": _summary(rows, n_front,
+                                                       mode != "memory_analysis"),
                                    "rows": rows}
         result["steps"][name] = step
     if not args.brute_only:
@@ -436,6 +448,28 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                     for m in st["modes"].values()) if result["steps"] else 0.0
     text = "\n".join(lines)
     return C.finish(args, NAME, result, text, say)
+
+
+BARE_HELP = ("also sweep with the compile as an oracle whose out-of-memory errors give no "
+             "byte figure (mode oracle_bare: neuronx-cc's NCC_EOOM002 may say only that "
+             "the program does not fit)")
+
+
+def modes(bare: bool) -> tuple[str, ...]:
+    """The modes a sweep runs: `MODES`, and with `bare` (``--bare-oracle``) `BARE`."""
+    return (*MODES, BARE) if bare else MODES
+
+
+def _modes_of(result: dict[str, Any]) -> tuple[str, ...]:
+    """The modes the steps of `result` were swept in (`modes`' order)."""
+    seen = {m for st in result["steps"].values() for m in st["modes"]}
+    return tuple(m for m in (*MODES, BARE) if m in seen or m in MODES)
+
+
+def _mode_label(mode: str) -> str:
+    return {"memory_analysis": "compiled bytes read",
+            "oracle": "compile failures as the oracle, simulated",
+            BARE: "compile failures as the oracle without byte figures, simulated"}[mode]
 
 
 def with_spare(name: str, graph: Any, pool: Sequence[str]) -> tuple[str, ...]:
@@ -503,7 +537,7 @@ def _done_when(result: dict[str, Any]) -> dict[str, Any]:
     most 6 compiles (oracle: log2(frontier) + 3) at >= 90% of sizes; each plan states
     its own compile's figures. A split with no step swept fails (nothing was shown)."""
     out: dict[str, Any] = {}
-    for mode in ("memory_analysis", "oracle"):
+    for mode in _modes_of(result):
         for split in ("train", "held-out"):
             rows = [r for st in result["steps"].values() if st["split"] == split
                     for r in st["modes"][mode]["rows"]]
@@ -534,7 +568,7 @@ def _report(result: dict[str, Any]) -> list[str]:
     lines = [] if result.get("max_compiles") is None else [
         f"fit's budget: max_compiles={result['max_compiles']} (not its own; the <=cap column "
         "counts the issue's cap)", ""]
-    for mode in ("memory_analysis", "oracle"):
+    for mode in _modes_of(result):
         rows = []
         for name, st in result["steps"].items():
             s = st["modes"][mode]["summary"]
@@ -548,7 +582,7 @@ def _report(result: dict[str, Any]) -> list[str]:
                          s["refusals_while_some_fits"], f"{s['compiles_median']:g}",
                          s["compiles_max"], f"{s['compile_cap']:.3g}",
                          f"{100 * s['share_within_cap']:.0f}%", s["noticed"]))
-        lines.append(f"fit with {mode} ({'compile failures as the oracle, simulated' if mode == 'oracle' else 'compiled bytes read'}):")
+        lines.append(f"fit with {mode} ({_mode_label(mode)}):")
         lines.append(C.table(rows, ("step", "split", "sizes", "plans", "reported", "fit",
                                     "gap med", "gap p95", "gap max", "gap<=0.5",
                                     "refusals", "compiles med", "max", "cap", "<=cap",

@@ -14,7 +14,8 @@ nothing in `fit` was tuned on it.
 2. HBM sizes every 1% of the range from the smallest compiled step to 5% above no remat,
    one simulated core, no reserve; `fit` at each, its compiles served from the cache
    (counted all the same), with ``memory_analysis`` read and with the compile failure as
-   the oracle (simulated, tests/cpu/zoo.py's `OomOracleSimulation`);
+   the oracle (simulated, tests/cpu/zoo.py's `OomOracleSimulation`), and with
+   ``--bare-oracle`` with that oracle's errors giving no byte figure;
 3. per mode: whether each plan fits, the gap in points of step FLOPs to the best compiled
    set that fits, the gap distribution, refusals while some set fits, the compiles.
 
@@ -72,6 +73,7 @@ def real_step_parser(description: str, name: str) -> Any:
                         "apart), and fit runs without candidates, compiling those tags")
     p.add_argument("--host-devices", type=FS.device_count, default=None, metavar="N",
                    help="XLA:CPU makes N devices, for the zoo module's SHARDED steps (8)")
+    p.add_argument("--bare-oracle", action="store_true", help=FS.BARE_HELP)
     return p
 
 
@@ -105,7 +107,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         graph = F.step_graph(spec.make_step(), *spec.abstract_args())
         step, more = sweep_real_step(name, spec, graph, "MaxText", mz.MAXTEXT_VERSION,
                                      args.out / "maxtext_brute", max_tags, n_sizes,
-                                     args.max_compiles, args.brute_only, say, args.spare)
+                                     args.max_compiles, args.brute_only, say, args.spare,
+                                     args.bare_oracle)
         lines += more
         if step is not None:
             result["steps"][name] = step
@@ -114,14 +117,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 def sweep_real_step(name: str, spec: Any, graph: Any, host: str, version: str,
                     brute_dir: Path, max_tags: int, n_sizes: int, max_compiles: int | None,
-                    brute_only: bool, say: Any, spare: bool = False
+                    brute_only: bool, say: Any, spare: bool = False, bare: bool = False
                     ) -> tuple[dict[str, Any] | None, list[str]]:
     """One step of a host library's real code (MaxText's, axlearn's; `graph` its
     `step_graph`): the brute force over its `max_tags` most useful tags, cached in
-    `brute_dir`, then `fit` at `n_sizes` + 1 sizes in both modes (fit_sweep's sweep). Its
+    `brute_dir`, then `fit` at `n_sizes` + 1 sizes in both modes (fit_sweep's sweep; with
+    `bare` in three). Its
     JSON (None with `brute_only`) and its report lines. With `spare`, the brute force also
     covers every tag outside the pool (``<step>+spare.json``; the pool must be whole) and
-    `fit` runs without ``candidates``, so that it can compile those tags (`_Search.spare`)."""
+    `fit` runs without ``candidates``, so that it can compile those tags (`_Search.spare`).
+    With `bare`, a third mode: the oracle's errors without byte figures (fit_sweep's
+    ``--bare-oracle``)."""
     import fit_sweep as FS  # noqa: PLC0415
     import zoo  # noqa: PLC0415
 
@@ -150,9 +156,9 @@ def sweep_real_step(name: str, spec: Any, graph: Any, host: str, version: str,
     lines = [f"{name} ({host} {version}): full remat {full / MiB:.2f} MiB, no remat "
              f"{none / MiB:.2f} MiB, smallest set {smallest / MiB:.2f} MiB; {len(sizes)} "
              f"sizes, tags {', '.join(pool)}"]
-    for mode in ("memory_analysis", "oracle"):
+    for mode in FS.modes(bare):
         rows = FS.sweep_step(brute, mode, sizes, graph, F, zoo, max_compiles, spare)
-        summary = FS._summary(rows, n_front, mode == "oracle")  # noqa: SLF001
+        summary = FS._summary(rows, n_front, mode != "memory_analysis")  # noqa: SLF001
         gaps = [r["gap"] for r in rows if r.get("gap") is not None]
         summary["gap_bins"] = _gap_bins(gaps)
         step["modes"][mode] = {"summary": summary, "rows": rows}

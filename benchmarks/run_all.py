@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
              ("accuracy", lambda: accuracy.main(common, frontier=results.get("frontier"))),
              ("overheads", lambda: overheads.main(common)),
              ("scaling", lambda: scaling.main(common)),
-             ("fit_sweep", lambda: fit_sweep.main(common)),
+             ("fit_sweep", lambda: fit_sweep.main([*common, "--bare-oracle"])),
              ("gpu_peak_memory", lambda: gpu_peak_memory.main(common))]
     for name, run in parts:
         if name in skip or (name == "accuracy" and "frontier" in skip):
