@@ -68,14 +68,18 @@ def test_every_part_wrote_its_json(out):
 
 @pytest.mark.slow
 def test_fit_sweep_small_meets_done_when(out):
-    """benchmarks/fit_sweep.py --small (run by run_all): two zoo steps (one train, one
-    held-out), 3 tags, 11 sizes, both modes, against the compiled brute force (the
-    expected values: XLA's figures for every save set, not fit's model)."""
+    """benchmarks/fit_sweep.py --small --bare-oracle (run by run_all): two zoo steps (one
+    train, one held-out), 3 tags, 11 sizes, three modes (memory figures, the compile as the
+    oracle with and without the out-of-memory error's byte figure), against the compiled
+    brute force (the expected values: XLA's figures for every save set, not fit's model)."""
     result = load(out, "fit_sweep")
     assert set(result["steps"]) == {"gqa4-adamw", "wide-attn-mqa-adafactor"}
+    assert {k.split("/")[0] for k in result["done_when"]} == {
+        "memory_analysis", "oracle", "oracle_bare"}
     for key, d in result["done_when"].items():
         assert d["passed"], (key, d)
     for st in result["steps"].values():
+        assert set(st["modes"]) == {"memory_analysis", "oracle", "oracle_bare"}
         for m in st["modes"].values():
             assert m["summary"]["sizes"] == 11 and m["summary"]["reported"] == 0
             # every plan says why its search stopped (CompiledFit.stop, read by the sweep)
