@@ -63,6 +63,9 @@ MODES = ("memory_analysis", "oracle")
 out-of-memory errors give the program's bytes)."""
 BARE = "oracle_bare"
 """``--bare-oracle``'s mode: the compile as the oracle, its errors without byte figures."""
+BARE_HELP = ("also sweep with the compile as an oracle whose out-of-memory errors give no "
+             "byte figure (mode oracle_bare: neuronx-cc's NCC_EOOM002 may say only that "
+             "the program does not fit)")
 
 
 def _zoo() -> Any:
@@ -448,11 +451,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                     for m in st["modes"].values()) if result["steps"] else 0.0
     text = "\n".join(lines)
     return C.finish(args, NAME, result, text, say)
-
-
-BARE_HELP = ("also sweep with the compile as an oracle whose out-of-memory errors give no "
-             "byte figure (mode oracle_bare: neuronx-cc's NCC_EOOM002 may say only that "
-             "the program does not fit)")
 
 
 def modes(bare: bool) -> tuple[str, ...]:
