@@ -122,12 +122,10 @@ def sweep_real_step(name: str, spec: Any, graph: Any, host: str, version: str,
     """One step of a host library's real code (MaxText's, axlearn's; `graph` its
     `step_graph`): the brute force over its `max_tags` most useful tags, cached in
     `brute_dir`, then `fit` at `n_sizes` + 1 sizes in both modes (fit_sweep's sweep; with
-    `bare` in three). Its
-    JSON (None with `brute_only`) and its report lines. With `spare`, the brute force also
-    covers every tag outside the pool (``<step>+spare.json``; the pool must be whole) and
-    `fit` runs without ``candidates``, so that it can compile those tags (`_Search.spare`).
-    With `bare`, a third mode: the oracle's errors without byte figures (fit_sweep's
-    ``--bare-oracle``)."""
+    `bare`, ``--bare-oracle``'s, in three). Its JSON (None with `brute_only`) and its report
+    lines. With `spare`, the brute force also covers every tag outside the pool
+    (``<step>+spare.json``; the pool must be whole) and `fit` runs without ``candidates``,
+    so that it can compile those tags (`_Search.spare`)."""
     import fit_sweep as FS  # noqa: PLC0415
     import zoo  # noqa: PLC0415
 
