@@ -43,12 +43,13 @@ def test_fit_plans_a_foreign_step_within_the_limit(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("oracle", [False, True])
+@pytest.mark.parametrize("oracle", [None, "figures", "bare"])
 def test_where_no_remat_fits_the_compile_with_fewer_flops_is_chosen(oracle):
     """haiku-free-mixer keeps bfloat16 converts without remat: XLA counts more FLOPs for
     no remat than for saving every tag (compiled here). Where both fit, fit returns the
     set that compiles to fewer FLOPs, with a note, with memory figures and with the
-    compile as the oracle (simulated: `zoo.OomOracleSimulation`)."""
+    compile as the oracle (simulated: `zoo.OomOracleSimulation`), its out-of-memory
+    errors with the program's bytes or bare."""
     import re
 
     import zoo
@@ -68,7 +69,7 @@ def test_where_no_remat_fits_the_compile_with_fewer_flops_is_chosen(oracle):
     assert every_flops < none_flops and every_bytes < none_bytes
     limit = none_bytes + (1 << 20)
     device = nr.parse_device(f"trn2.48xlarge:hbm={limit}B:cores=1", source="test")
-    chosen = zoo.oracle_make_step(make, limit) if oracle else make
+    chosen = zoo.oracle_make_step(make, limit, figures=oracle == "figures") if oracle else make
     plan = nr.fit(chosen, *args, device=device, reserve=0, progress=lambda line: None)
     assert set(plan.saved_tags) == set(tags) and not plan.compiled.no_remat
     assert plan.compiled.flops == every_flops
