@@ -575,6 +575,32 @@ def test_oracle_without_figures_walks_the_compiles_left_on_what_fit():
     assert len(calls) <= S._oracle_cap(len(S._frontier(cands)))
 
 
+def test_outcomes_place_the_model_only_where_they_agree():
+    """`_Search._model_by_outcomes` by hand, no figures at all. Full remat fit and `b`
+    alone did not: the model it places predicts every set that fit within the limit and
+    every set that did not over it. Where a set that fit keeps and reads more than one
+    that did not (`a` over, `b` fitting: XLA's packing, not bytes), no intercept agrees
+    with both outcomes, and there is no model."""
+    table = {(): 100, ("a",): 101, ("b",): 103, ("a", "b"): 104, None: 110}
+    cands, _ = _by_hand({"a": 1, "b": 4}, {"a": 2, "b": 5}, table)
+    by = {c.saved: c for c in cands}
+    limit = 102 * MiB
+
+    def outcomes(over):
+        s = S._Search(list(cands), lambda c, p: None, limit, 6)
+        for saved, o in over.items():
+            s.compiled[saved] = C._Compiled(None, 0, 0, 0, 0, 1e9, 0.0, oom=o)
+        return s
+
+    s = outcomes({(): False, ("b",): True})
+    assert s._model_by_outcomes() and s.sigma > 0
+    predict = lambda saved: s.model.predict(by[saved].stored, by[saved].read)  # noqa: E731
+    assert predict(()) <= limit < predict(("b",))
+    s = outcomes({(): False, ("a",): True, ("b",): False})
+    assert by[("a",)].stored + by[("a",)].read < by[("b",)].stored + by[("b",)].read
+    assert not s._model_by_outcomes() and s.model is None
+
+
 def _flat_table():
     """Six tags' sets, each compiling to 60 MiB +- 0.5 MiB whatever it keeps (an unrolled
     stack on XLA:CPU), full remat to 59 MiB; the limit 59.5 MiB."""
