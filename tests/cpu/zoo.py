@@ -364,13 +364,11 @@ class _Lowered:
         m = compiled.memory_analysis()
         total = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                  - m.alias_size_in_bytes)
-        if total > self._limit and not self._figures:
-            raise SimulatedOutOfMemory(
-                "NCC_EOOM002: (simulated) the program does not fit the device's memory")
         if total > self._limit:
             raise SimulatedOutOfMemory(
                 f"RESOURCE_EXHAUSTED: (simulated) the program needs {total} bytes of device "
-                f"memory, over the {self._limit} bytes available")
+                f"memory, over the {self._limit} bytes available" if self._figures else
+                "NCC_EOOM002: (simulated) the program does not fit the device's memory")
         return _NoMemoryCompiled(compiled)
 
 
