@@ -32,16 +32,17 @@ returns the user's step for a JAX remat policy; `args` are arrays or
 3. searches by expected gain: each set that recomputes less than the best compiled fit gets
    a chance to fit (normal errors: the search's uncertainty and the set's own), and the next
    compile goes to the largest chance x recompute saved, among sets whose chance is at least
-   `PLAUSIBLE`. The uncertainty starts at `band` of full remat's bytes, widens after a miss
-   (a compile off its prediction by more than it) and narrows after a hit. When two compiles
-   in a row come out over, the walk has stalled: the next compile bisects the predicted
-   frontier (the Pareto sets by predicted bytes and recompute) between the best fit and the
-   nearest set known over. Picked by expected gain, the last compile of the budget goes to a
-   likely fit (chance at least `LIKELY`) where one recomputes less than the best compiled
-   set, and never to a long shot while nothing better than full remat fits. It stops when
-   the least-recompute set fits, nothing better is plausible, or the budget (`max_compiles`,
-   6 up to 8 tags, said up front) is spent, and logs why; the plan is the least-recompute
-   set whose compile fit, never one that did not, unless another compiled set that fits
+   `PLAUSIBLE` (where none is and compiles are left, at least `LONG_SHOT`). The uncertainty
+   starts at `band` of full remat's bytes, widens after a miss (a compile off its prediction
+   by more than it) and narrows after a hit. When two compiles in a row come out over, the
+   walk has stalled: the next compile bisects the predicted frontier (the Pareto sets by
+   predicted bytes and recompute) between the best fit and the nearest set known over.
+   Picked by expected gain, the last compile of the budget goes to a likely fit (chance at
+   least `LIKELY`) where one recomputes less than the best compiled set, and never to a long
+   shot while nothing better than full remat fits. It stops when the least-recompute set
+   fits, nothing better is even a long shot, or the budget (`max_compiles`, 6 up to 8
+   tags, said up front) is spent, and logs why; the plan is the least-recompute set whose
+   compile fit, never one that did not, unless another compiled set that fits
    counts fewer operations in its compile (``cost_analysis()``'s flops + transcendentals:
    no remat can count more than saving every tag), which then is the plan, with a note.
    No remat is a candidate like the others (its policy: ``everything_saveable``), compiled
@@ -150,7 +151,7 @@ class CompiledFit:
     miss on the compiles made (before the per-tag corrections). `measured` is False when
     the backend had no ``memory_analysis()`` and `bytes` is the uncalibrated model's.
     `stop` says why the search ended: the budget was spent, no set that recomputes less
-    was plausibly within the limit, the bisection converged, and so on (the plan's
+    was even a long shot (`LONG_SHOT`), the bisection converged, and so on (the plan's
     ``"search: ..."`` note says the same).
 
     `bytes`, `flops` and `recompute_flops` are always `Plan.policy`'s compile (one policy

@@ -530,6 +530,24 @@ def test_the_last_compile_goes_to_a_likely_fit():
     assert fourth == ("b", "c") and got.saved == ("c",)
 
 
+def test_with_compiles_left_the_walk_takes_a_long_shot_rather_than_stop():
+    """A noisy table (per-set noise up to 2 MiB, more than the model's prior allows): after
+    4 of 6 compiles no set that recomputes less than t0, t3 (17 GFLOP) was `PLAUSIBLE`, and
+    the search stopped there with 2 compiles unused. Now the compiles left go to the best
+    long shots (`LONG_SHOT`): t0, t1, t2 (predicted 2.2 MiB over; 0.02 over), then t1, t2,
+    t3 (predicted 3.4 over; 0.3 under, 14 GFLOP), the brute force's best."""
+    cands, table = _synthetic(4, seed=51, noise=2.0)
+    subsets = [c for c in cands if c.saved is not None]
+    lo, hi = table[()], max(table[c.saved] for c in subsets)
+    limit = int(lo + 0.7 * (hi - lo))
+    # the best that fits, by brute force over the table
+    best = min((c for c in cands if table[c.saved] <= limit), key=lambda c: c.recompute)
+    assert best.saved == ("t1", "t2", "t3")
+    got, s, calls = _run(cands, table, limit)
+    assert got is not None and got.saved == best.saved, (calls, s.stop)
+    assert len(calls) <= 6
+
+
 def test_oracle_reads_a_set_that_compiled_as_at_most_the_limit():
     """gqa4-adamw at 15.67 MiB with the compile as the oracle: full remat, every tag,
     `key_proj` and `value_proj` alone ran out of memory (their figures a little over full
