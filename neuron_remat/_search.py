@@ -94,10 +94,9 @@ and made none worse; with noise of up to 1 MiB it changed none of 8100.
 
 Chosen on the zoo's train steps: moe8-rope-sgd's largest gap with the oracle went from
 8.81 to 7.95 points (out-of-memory figures) and to 8.09 (none); nothing else moved. At
-0.01 the
-oracle's share within 0.5 points on moe8-rope-sgd rose from 96% to 97% but long-seq's
-share within the compile cap with memory figures fell from 98% to 97%; at 0 also
-gqa4-adamw's with the oracle, from 94% to 92%. `PLAUSIBLE` itself at 0.03 took
+0.01 the oracle's share within 0.5 points on moe8-rope-sgd rose from 96% to 97% but
+long-seq's share within the compile cap with memory figures fell from 98% to 97%; at 0
+also gqa4-adamw's with the oracle, from 94% to 92%. `PLAUSIBLE` itself at 0.03 took
 gqa4-adamw's oracle sweep from 99% within 0.5 points and 0.73 at most to 97% and 1.45."""
 LIKELY = 0.5
 """When the walk picks the last compile of the budget by expected gain, it picks among the
