@@ -398,20 +398,21 @@ def test_oracle_spends_compiles_left_after_bisection_beside_the_frontier():
     assert len(calls) <= math.log2(len(front)) + 3
 
 
-@pytest.mark.parametrize("seed,room", [(1, 10.47), (3, 45.1)])
-def test_oracle_keeps_to_the_callers_budget_larger_or_smaller(seed, room):
+def test_oracle_keeps_to_the_callers_budget_larger_or_smaller():
     """With the compile as the oracle, `fit`'s own budget is the bisection's cap
     (log2(frontier) + 3); a ``max_compiles`` the caller gives replaces it, larger or
-    smaller. On these tables (1 MiB of noise per set) the cap is spent before the
+    smaller. On this table (1 MiB of noise per set) the cap is spent before the
     least-recompute set that fits (the brute force over the table) is compiled; with a
-    larger budget of the caller's the search goes on to it, and with 3 it stops at 3."""
-    cands, table = _synthetic(6, seed=seed, noise=1.0)
-    limit = table[()] + int(room * MiB)
+    larger budget of the caller's the search goes on to it, and with 3 it stops at 3.
+    (Of the tables of seeds 1 to 11 at limits every 0.7 MiB above full remat, this is the
+    one where the cap falls short since the bisection starts at the frontier's middle.)"""
+    cands, table = _synthetic(6, seed=10, noise=1.0)
+    limit = table[()] + int(18.8 * MiB)
     best = next(c for c in cands if table[c.saved] <= limit)  # the brute force
     cap = S._oracle_cap(len(S._frontier(cands)))
 
     got, s, calls = _run(cands, table, limit, oracle=True, figures=True)
-    assert len(calls) == cap and got is not best and "budget" in s.stop
+    assert len(calls) == cap and got is not best, (calls, s.stop)
 
     got, s, calls = _run(cands, table, limit, budget=40, oracle=True, figures=True,
                          budget_given=True)
@@ -641,6 +642,30 @@ def test_oracle_notices_memory_that_does_not_follow_the_kept_bytes():
     assert got is not None and table[got.saved] <= limit and got.saved in calls
     front = S._frontier(cands)
     assert len(calls) <= math.log2(len(front)) + 3
+
+
+def test_oracle_asks_the_frontier_top_before_calling_memory_flat():
+    """The bisection starts at the frontier's middle, so its first sets over the limit can
+    be sets whose figures barely differ though their kept bytes do (moe8-rope-sgd: saving
+    the experts' hidden states beside the router's logits compiles as small as the
+    logits alone). Here every set but full remat compiles 1 MiB above it, the two middle
+    sets' figures the same. Before memory is called flat, the frontier's top (here no
+    remat, which keeps the most) is compiled: where it grows by what it keeps, the search
+    goes on and nothing is noticed; where it fits, it is the plan (nothing recomputes
+    less)."""
+    cands, _ = _synthetic(4, seed=2, noise=0.0)
+    top, full = S._frontier(cands)[0], next(c for c in cands if c.saved == ())
+    assert top.saved is None
+    base = 60 * MiB
+    table = {c.saved: base + MiB for c in cands} | {(): base}
+    limit = base + MiB // 2
+    table[None] = base + (top.stored - full.stored)
+    got, s, calls = _run(cands, table, limit, oracle=True, figures=True)
+    assert None in calls and not s.noticed, (calls, s.stop)
+    assert got is not None and got.saved == ()  # by brute force: only full remat fits
+    table[None] = base + MiB // 4
+    got, s, calls = _run(cands, table, limit, oracle=True, figures=True)
+    assert not s.noticed and got is not None and got.saved is None, (calls, s.stop)
 
 
 def test_oracle_on_flat_memory_tries_the_least_recompute_save_set():
