@@ -858,6 +858,8 @@ class _Search:
         return True
 
     def _flat_evidence(self, overs: Sequence[tuple[_Candidate, int]]) -> str | None:
+        """What `_flat` reads in `overs`, as the line it would log (None: nothing), without
+        its verdict."""
         if len(overs) < 2:
             return None
         (a, ra), (b, rb) = (max(overs, key=lambda o: o[0].stored),
