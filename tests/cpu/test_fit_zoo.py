@@ -578,11 +578,11 @@ def test_oracle_reads_a_set_that_compiled_as_at_most_the_limit():
 def test_oracle_without_figures_walks_the_compiles_left_on_what_fit():
     """A backend whose out-of-memory errors give no byte figure (neuronx-cc's NCC_EOOM002
     may say only that the program does not fit): the bisection of the predicted frontier
-    converged after 5 of the oracle's 6 compiles and the search stopped on t0, t3, while
-    t0, t2, t3 (off the predicted frontier, where t0, t1, t3 stands for it: as much
-    recompute, the same predicted bytes, and over the limit) fits and recomputes less.
-    Which sets fit places the model between them; the compile left goes to the walk,
-    which finds it."""
+    converges on t0, t3 with compiles of the oracle's 6 left (after 4 from the frontier's
+    middle; after 5 when it started at the top, and the search stopped there), while t0,
+    t2, t3 (off the predicted frontier, where t0, t1, t3 stands for it: as much recompute,
+    the same predicted bytes, and over the limit) fits and recomputes less. Which sets fit
+    places the model between them; the compiles left go to the walk, which finds it."""
     cands, table = _synthetic(4, seed=15, noise=0.5)
     lo = table[()]
     hi = max(table[c.saved] for c in cands if c.saved is not None)
