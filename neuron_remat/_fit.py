@@ -66,9 +66,9 @@ A backend without ``memory_analysis()`` (it raises, returns None, or reports not
 Neuron PJRT plugin may not implement it) makes the compile the oracle: an error carrying
 XLA's ``RESOURCE_EXHAUSTED`` or neuronx-cc's NCC_EOOM001/NCC_EOOM002 ("exceeds the
 high-bandwidth memory") means over (`out_of_memory`, byte figures kept), a compile that
-succeeds means it fits. `fit` then bisects the frontier predicted from the graphs (arguments
-+ outputs - donated state + kept + recomputed reads), from its middle: at most 2 +
-ceil(log2(frontier - 1)) compiles (`_oracle_cap`), within log2(frontier) + 3, unless the
+succeeds means it fits. `fit` then bisects the frontier predicted from the graphs
+(arguments + outputs - donated state + kept + recomputed reads), from its middle: at most
+2 + ceil(log2(frontier - 1)) compiles (`_oracle_cap`), within log2(frontier) + 3, unless the
 caller gave ``max_compiles``. The figures of out-of-memory errors (above the limit)
 calibrate the model as memory figures do (compiles left once the bisection converges go to
 the walk on that model; when that model puts full remat within `TIGHT` x the uncertainty of
