@@ -16,27 +16,32 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    shapes in its jaxpr, and a value outside a ``shard_map`` counts 1/n of them, n the
    product of the mesh axes the step's inputs and sharding constraints split anything
    over (`_step._shards`);
-2. AOT-compiles full remat and every useful tag saved (``jit(step).lower(*args).compile()``),
-   reads ``memory_analysis()`` (argument + output + temp - alias) and ``cost_analysis()``,
-   and calibrates ``bytes(S) = fixed + scale x kept(S) + slope x read(S)``: kept(S) the
-   residuals of every layer (exact, from the graphs), read(S) the bytes one layer's
-   backward reads that S recomputes, both as the backend stores them (XLA:CPU keeps
-   bfloat16 as float32: `_step.STORED_ITEMSIZE`), `scale` what is left per kept byte
-   (near 1), `fixed` the state and the policy-independent temporaries. The model's misses
-   are read as one unknown effect per saved tag (a Gaussian process over which tags a
-   set saves, `TAG_SD`, `SET_SD`, with correlated effects for tags the trace cannot tell
-   apart, `ALIKE`): XLA's buffer packing moves with particular tags, and saving one may
-   compile smaller than saving none. A set sharing most tags with compiled ones is
-   predicted from them, with little uncertainty; one made of tags never compiled, nor
-   alike to one compiled, keeps their whole uncertainty;
-3. searches by expected gain: each set that recomputes less than the best compiled fit gets
-   a chance to fit (normal errors: the search's uncertainty and the set's own), and the next
-   compile goes to the largest chance x recompute saved, among sets whose chance is at least
-   `PLAUSIBLE` (where none is and compiles are left, at least `LONG_SHOT`). The uncertainty
-   starts at `band` of full remat's bytes, widens after a miss (a compile off its prediction
-   by more than it) and narrows after a hit. When two compiles in a row come out over, the
-   walk has stalled: the next compile bisects the predicted frontier (the Pareto sets by
-   predicted bytes and recompute) between the best fit and the nearest set known over.
+2. AOT-compiles full remat (``jit(step).lower(*args).compile()``), reads
+   ``memory_analysis()`` (argument + output + temp - alias) and ``cost_analysis()``, and
+   where it fits with room (`TIGHT`) bisects the predicted frontier (the Pareto sets by
+   predicted bytes and recompute) from its middle: each compile says whether its set fits
+   and calibrates ``bytes(S) = fixed + scale x kept(S) + slope x read(S)``; once it has,
+   the next set is the least-recompute one between the nearest fit and the nearest over
+   that the model puts within the limit (`_Search._bisect`). kept(S) is the residuals of
+   every layer (exact, from the graphs), read(S) the bytes one layer's backward reads that
+   S recomputes, both as the backend stores them (XLA:CPU keeps bfloat16 as float32:
+   `_step.STORED_ITEMSIZE`), `scale` what is left per kept byte (near 1), `fixed` the state
+   and the policy-independent temporaries. The model's misses are read as one unknown
+   effect per saved tag (a Gaussian process over which tags a set saves, `TAG_SD`,
+   `SET_SD`, with correlated effects for tags the trace cannot tell apart, `ALIKE`): XLA's
+   buffer packing moves with particular tags, and saving one may compile smaller than
+   saving none. A set sharing most tags with compiled ones is predicted from them, with
+   little uncertainty; one made of tags never compiled, nor alike to one compiled, keeps
+   their whole uncertainty;
+3. once the bisection converges, walks the compiles left beside the frontier by expected
+   gain (the rescue below walks so from its first fit): each set that recomputes less than
+   the best compiled fit gets a chance to fit (normal errors: the search's uncertainty and
+   the set's own), and the next compile goes to the largest chance x recompute saved, among
+   sets whose chance is at least `PLAUSIBLE` (where none is and compiles are left, at least
+   `LONG_SHOT`). The uncertainty starts at `band` of full remat's bytes, widens after a
+   miss (a compile off its prediction by more than it) and narrows after a hit. When two
+   compiles in a row come out over, the walk has stalled: the next compile bisects the
+   predicted frontier again, between the best fit and the nearest set known over.
    Picked by expected gain, the last compile of the budget goes to a likely fit (chance at
    least `LIKELY`) where one recomputes less than the best compiled set, and never to a long
    shot while nothing better than full remat fits. It stops when the least-recompute set
@@ -45,9 +50,9 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    compile fit, never one that did not, unless another compiled set that fits
    counts fewer operations in its compile (``cost_analysis()``'s flops + transcendentals:
    no remat can count more than saving every tag), which then is the plan, with a note.
-   No remat is a candidate like the others (its policy: ``everything_saveable``), compiled
-   once the least-recompute save set fits (with the compile as the oracle, where no remat
-   fits, every tag saved gets a compile to compare it with).
+   No remat is a candidate like the others (its policy: ``everything_saveable``): the
+   frontier's top, and in the walk compiled once the least-recompute save set fits (where
+   no remat fits, every tag saved gets a compile to compare it with).
    When full remat does not fit, or fits with less than `TIGHT` x the uncertainty to spare
    (there the model cannot rank the sets: one tag's packing moves the figure by more than
    the room), every tag saved, then each tag alone, then any set, most likely to fit first,
@@ -67,9 +72,10 @@ Neuron PJRT plugin may not implement it) makes the compile the oracle: an error 
 XLA's ``RESOURCE_EXHAUSTED`` or neuronx-cc's NCC_EOOM001/NCC_EOOM002 ("exceeds the
 high-bandwidth memory") means over (`out_of_memory`, byte figures kept), a compile that
 succeeds means it fits. `fit` then bisects the frontier predicted from the graphs
-(arguments + outputs - donated state + kept + recomputed reads), from its middle: at most
-2 + ceil(log2(frontier - 1)) compiles (`_oracle_cap`), within log2(frontier) + 3, unless the
-caller gave ``max_compiles``. The figures of out-of-memory errors (above the limit)
+(arguments + outputs - donated state + kept + recomputed reads), from its middle, as with
+memory figures where full remat fits with room (here whatever the room: no figure tells
+it), within a budget of its own: at most 2 + ceil(log2(frontier - 1)) compiles
+(`_oracle_cap`), within log2(frontier) + 3, unless the caller gave ``max_compiles``. The figures of out-of-memory errors (above the limit)
 calibrate the model as memory figures do (compiles left once the bisection converges go to
 the walk on that model; when that model puts full remat within `TIGHT` x the uncertainty of
 the limit, one compile more per tag goes to it, to each tag alone first while nothing better
@@ -77,19 +83,21 @@ than full remat fits, as the rescue has with memory figures); a set that compile
 the limit, which bounds its tags' effects where the figures put it over; and two
 out-of-memory figures that differ by less than `FOLLOW` of their sets' kept bytes, and the
 frontier's top (compiled then if it was not: it keeps the most) with them, say memory does
-not follow the kept bytes (then every tag saved, as likely to fit as any set, is compiled if
-it was not and a compile is left, before the search stops). Errors without figures say only
+not follow the kept bytes, as two memory figures do (then every tag saved, as likely to fit
+as any set, is compiled if it was not and a compile is left, before the search stops). Errors without figures say only
 which sets fit: where the bisection converges with compiles left, the model's intercept is
 placed between what the sets that fit and those that did not allow (per-byte scale and
 workspace slope at 1), and the rest go to the walk on that model
 (`_Search._model_by_outcomes`).
 
 Two steps are reported rather than planned: one whose policy changes nothing (full remat
-and every tag saved compile to the same program: `PolicyIgnoredError`), and one whose
-compiled memory does not follow the kept bytes (an unrolled Python loop on XLA:CPU: no
-remat compiles less than `FOLLOW` of its extra kept bytes above full remat). The latter
-gets the least-recompute compiled set that fits and a note saying why it was not
-searched.
+and the search's second set compile to the same program: `PolicyIgnoredError`), and one
+whose compiled memory does not follow the kept bytes (an unrolled Python loop on XLA:CPU:
+two compiled save sets whose figures differ by less than `FOLLOW` of what one keeps more,
+and then the frontier's top, usually no remat, grows by less than `FOLLOW` of what it
+keeps more; where full remat fits tightly or not at all, every tag saved against full
+remat, then no remat). The latter gets the least-recompute compiled set that fits and a
+note saying why it was not searched.
 
 When the step has no ``remat2`` equation (no ``jax.checkpoint`` in it, or a transform that
 hides it) the per-layer graph cannot be read; `fit` then raises a ValueError naming what

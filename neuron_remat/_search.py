@@ -3,11 +3,11 @@
 `_Search` is pure: its `measure` compiles one candidate save set (`_Candidate`: the bytes
 it keeps and reads, the FLOPs it recomputes, from `_step.StepGraph`). `_Model` calibrates
 ``bytes(S) = fixed + scale x kept(S) + slope x read(S)`` on the compiles; the misses are
-one unknown effect per saved tag (`_Search._tag_effect`). The search walks by expected
-gain, rescues a full remat that does not fit or fits tightly (`TIGHT`), and with a
-backend that reports no memory figures bisects the predicted frontier with the compile
-as the oracle. `fit`'s module docstring tells the whole procedure; each constant below
-says how it was chosen.
+one unknown effect per saved tag (`_Search._tag_effect`). The search bisects the predicted
+frontier from its middle (with a backend that reports no memory figures, the compile as
+the oracle) and walks the compiles left by expected gain; it rescues a full remat that
+does not fit or fits tightly (`TIGHT`) by exploring each tag first. `fit`'s module
+docstring tells the whole procedure; each constant below says how it was chosen.
 """
 
 from __future__ import annotations
@@ -155,8 +155,8 @@ FOLLOW = 0.35
 """Memory follows the kept bytes when no remat compiles at least this share of its extra
 kept bytes above full remat (an unrolled Python loop on XLA:CPU: about 0.13)."""
 FLAT_SPAN = 0.1
-"""With the compile as the oracle, two out-of-memory figures test `FOLLOW` only when their
-sets' kept bytes differ by at least this share of the limit."""
+"""Two save sets' compiled figures (with the compile as the oracle, out-of-memory errors')
+test `FOLLOW` only when their kept bytes differ by at least this share of the limit."""
 
 
 def _oracle_cap(n_front: int) -> int:
@@ -524,7 +524,7 @@ class _Search:
         self.sigma = max(self.band * (first.bytes or self.limit), self._floor)
         if first.bytes is None and not first.oom:
             self.oracle = True
-            return self._bisect_oracle()
+            return self._bisect()
         if first.over(self.limit):
             return self._rescue()
         if first.bytes is not None and self.limit - first.bytes < TIGHT * self.sigma:
@@ -533,17 +533,7 @@ class _Search:
                      f"({fmt_bytes(int(self.sigma))}): exploring each tag as when it does "
                      f"not fit (at most {self.max_compiles + self.stretch} compiles)")
             return self._rescue()
-        # the least-recompute save set (every useful tag): the model's second point
-        every = self._every
-        if every is not None and every.saved and self.used < self.max_compiles:
-            got = self._measure(every)
-            if got.bytes is None and not got.oom:  # no figures now: the compile decides
-                self.oracle = True
-                return self._bisect_oracle()
-            self._check_used(every)
-            if not self._follows(full, every):
-                return self.best()
-        return self._walk()
+        return self._bisect()
 
     def _check_used(self, every: _Candidate) -> None:
         """Raise `_PolicyIgnored` when full remat and saving every tag compiled to the same
@@ -685,58 +675,63 @@ class _Search:
         mid = (hi + lo) / 2
         return front[min(between, key=lambda i: (abs(i - mid), i))]
 
-    def _bisect_oracle(self) -> _Candidate | None:
-        """No memory figures: bisect the predicted frontier with the compile as the
-        oracle (fits or runs out of memory), starting at its middle (see `_oracle_cap`).
-        An out-of-memory error's byte figure is kept: two sets over the limit whose figures
-        differ by less than `FOLLOW` of their kept bytes say the compiled memory does not
+    def _bisect(self) -> _Candidate | None:
+        """Bisect the predicted frontier from its middle (see `_oracle_cap`), each compile
+        saying whether its set fits; once figures have calibrated the model, each next set
+        is the least-recompute one between the nearest fit and the nearest over that the
+        model puts within the limit (`_oracle_next`). With memory figures this is the
+        search wherever full remat fits with room (`TIGHT`), within `max_compiles`; with
+        the compile as the oracle (no memory figures: fits or runs out of memory) within
+        `_oracle_cap`, unless the caller gave a budget.
+
+        Every figure is kept (with the oracle, an out-of-memory error's): where the two
+        compiled sets furthest apart in kept bytes (at least `FLAT_SPAN` of the limit)
+        differ in their figures by less than `FOLLOW` of that, the compiled memory may not
         follow the kept residuals, and once the frontier's top (the set that keeps the
-        most) says so too, the search stops there (`_flat_best`), as with memory figures;
-        where the top fits, nothing recomputes less. When the bisection converges
-        with compiles left and such figures calibrated the model, the rest go to `_walk`:
-        sets beside the predicted frontier that the figures say may fit. Where that model
-        puts full remat within `TIGHT` x the uncertainty of the limit (`_tight_by_figures`),
-        at convergence or once the budget is spent (fit's own, not the caller's), there are
+        most) says so too, the search stops there (`_flat_best`); where the top fits,
+        nothing recomputes less. When the bisection converges with compiles left and
+        figures calibrated the model, the rest go to `_walk`: sets beside the predicted
+        frontier that the figures say may fit. With the oracle, where that model puts full
+        remat within `TIGHT` x the uncertainty of the limit (`_tight_by_figures`), at
+        convergence or once the budget is spent (fit's own, not the caller's), there are
         `stretch` compiles more, each tag alone first while nothing better than full remat
         fits (`_stretch_by_figures`), as `_rescue` has with memory figures there. Where the
         errors gave no figures, a converged bisection with compiles left walks on a model
         placed by which sets fit (`_model_by_outcomes`)."""
         front = _frontier(self.candidates)
-        if not self.budget_given:  # a budget the user gave is theirs, larger or smaller
+        if self.oracle and not self.budget_given:  # a caller's budget is theirs
             self.max_compiles = _oracle_cap(len(front))
-        self.log(f"fit: the backend reports no memory figures; the compile is the oracle. "
-                 f"Bisecting a predicted frontier of {len(front)} save sets: at most "
-                 f"{self.max_compiles} compiles in all")
+        self.log(("fit: the backend reports no memory figures; the compile is the oracle. "
+                  if self.oracle else "fit: ")
+                 + f"bisecting a predicted frontier of {len(front)} save sets from its "
+                 f"middle: at most {self.max_compiles} compiles in all")
         lo, hi = len(front) - 1, -1  # front[lo] fits (full remat); front[hi] does not
-        overs: list[tuple[_Candidate, int]] = []
         while lo - hi > 1 and self.used < self.max_compiles:
             mid = (lo + hi) // 2 if hi < 0 else self._oracle_next(front, lo, hi)
             c = front[mid]
             if c.saved in self.compiled:  # full remat is the whole frontier's only set
                 break
             got = self._measure(c)
-            if len(self.compiled) == 2 and not got.oom and got.flops == self.compiled[()].flops \
-                    and c.kept != self._by[()].kept:
-                raise _PolicyIgnored(f"full remat and {_what(c.saved)} compile to the same "
-                                     f"FLOPs ({got.flops / 1e9:.4g} GFLOP)")
-            if not got.over(self.limit):
+            if got.bytes is None and not got.oom:
+                self.oracle = True  # no figures now: the compile decides
+            if len(self.compiled) == 2:
+                self._check_program(c)
+            if got.over(self.limit):
+                hi = mid
+            else:
                 lo = mid
+            if self._flat_evidence(self._with_figures()) is None:
                 continue
-            hi = mid
-            if got.reported is not None:
-                overs.append((c, got.reported))
-                if self._flat_evidence(overs) is not None and front[0].saved not in \
-                        self.compiled and self.used < self.max_compiles:
-                    # before calling memory flat, the set that keeps the most: one tag
-                    # whose saving spares as much workspace as it keeps looks flat too
-                    top = self._measure(front[0])
-                    if not top.over(self.limit):
-                        lo = 0  # it fits: nothing recomputes less
-                        break
-                    if top.reported is not None:
-                        overs.append((front[0], top.reported))
-                if self._flat(overs):
-                    return self._flat_best()
+            if front[0].saved not in self.compiled and self.used < self.max_compiles:
+                # before calling memory flat, the set that keeps the most: one tag whose
+                # saving spares as much workspace as it keeps looks flat too
+                self._measure(front[0])
+            top_fits = self.fits(front[0].saved)  # (its figure counts where it has one)
+            if not (top_fits and self.oracle) and self._flat(self._with_figures()):
+                return self._flat_best()
+            if top_fits:
+                lo = 0  # nothing recomputes less
+                break
         self.stop = ("bisection converged" if lo - hi <= 1
                      else f"the budget of {self.max_compiles} compiles is spent")
         best = front[lo]
@@ -747,11 +742,12 @@ class _Search:
             # rest, by expected gain as with memory figures (with the stretch from the
             # start where those figures put full remat close to the limit, so that the
             # walk does not hold back a last compile that is not its last)
-            stretched = self._stretch_by_figures()
+            stretched = self.oracle and self._stretch_by_figures()
             self.log("fit: bisection converged; walking beside the frontier with "
                      f"{self.max_compiles - self.used} compiles left")
             best = self._walk() or best
-        if not stretched and self.used >= self.max_compiles and self._stretch_by_figures():
+        if not stretched and self.oracle and self.used >= self.max_compiles \
+                and self._stretch_by_figures():
             best = self._walk() or best
         if lo - hi <= 1 and self.model is None and self.used < self.max_compiles \
                 and self._model_by_outcomes():
@@ -867,17 +863,39 @@ class _Search:
         span = a.stored - b.stored
         if span < FLAT_SPAN * self.limit or ra - rb >= FOLLOW * span:
             return None
+        figures = ("the compiler's out-of-memory figures" if self.oracle else
+                   "their compiled bytes")
         return (f"{_what(a.saved)} keeps {fmt_bytes(span)} more than {_what(b.saved)}, but "
-                f"the compiler's out-of-memory figures differ by {fmt_bytes(ra - rb)}")
+                f"{figures} differ by {fmt_bytes(ra - rb)}")
+
+    def _with_figures(self) -> list[tuple[_Candidate, int]]:
+        """The compiled save sets with a figure (`_figure`: with the oracle, those over
+        the limit whose error gave one), each with it; not full remat: a set that compiles
+        under what it keeps against full remat may be one tag sparing a workspace (two save
+        sets that compile alike are not)."""
+        return [(self._by[s], b) for s, r in self.compiled.items()
+                if s != () and self._known(s) and s in self._by
+                and (b := self._figure(r)) is not None]
+
+    def _check_program(self, c: _Candidate) -> None:
+        """Raise `_PolicyIgnored` when `c`, the search's second compile, compiled to full
+        remat's FLOPs (and bytes, where there are figures) though it keeps other bytes."""
+        a, b = self.compiled[()], self.compiled[c.saved]
+        if not b.oom and a.flops == b.flops and c.kept != self._by[()].kept \
+                and (a.bytes is None or b.bytes is None or a.bytes == b.bytes):
+            raise _PolicyIgnored(f"full remat and {_what(c.saved)} compile to the same "
+                                 f"program ({b.flops / 1e9:.4g} GFLOP"
+                                 + ("" if b.bytes is None else f", {fmt_bytes(b.bytes)}")
+                                 + ")")
 
     def _flat_best(self) -> _Candidate | None:
         """The compiled memory does not follow the kept bytes (`_flat`): every save set
         compiles to about the same bytes, so the least-recompute one (every tag) is as
         likely to fit as any; compile it when it was not and the budget allows (as the
         search with memory figures compiles it first), then the best that fit."""
-        every = self._every
+        every, best = self._every, self.best()
         if every is not None and every.saved not in self.compiled \
-                and self.used < self.max_compiles:
+                and self.used < self.max_compiles and best is not self.candidates[0]:
             self._measure(every)
         return self.best()
 
