@@ -902,8 +902,8 @@ class _Search:
     def _flat_best(self) -> _Candidate | None:
         """The compiled memory does not follow the kept bytes (`_flat`): every save set
         compiles to about the same bytes, so the least-recompute one (every tag) is as
-        likely to fit as any; compile it when it was not and the budget allows (as the
-        search with memory figures compiles it first), then the best that fit."""
+        likely to fit as any; compile it when it was not, the budget allows and the
+        least-recompute candidate (no remat) did not fit, then the best that fit."""
         every, best = self._every, self.best()
         if every is not None and every.saved not in self.compiled \
                 and self.used < self.max_compiles and best is not self.candidates[0]:
