@@ -535,16 +535,6 @@ class _Search:
             return self._rescue()
         return self._bisect()
 
-    def _check_used(self, every: _Candidate) -> None:
-        """Raise `_PolicyIgnored` when full remat and saving every tag compiled to the same
-        program (the same bytes and FLOPs though they keep different bytes)."""
-        a, b = self.compiled[()], self.compiled[every.saved]
-        if (a.bytes is not None and a.bytes == b.bytes and a.flops == b.flops
-                and every.kept != self._by[()].kept):
-            raise _PolicyIgnored(
-                f"full remat and saving {', '.join(every.saved or ())} compile to the same "
-                f"program ({fmt_bytes(b.bytes or 0)}, {b.flops / 1e9:.4g} GFLOP)")
-
     def _follows(self, full: _Candidate, every: _Candidate) -> bool:
         """Whether the compiled bytes follow the kept bytes (`noticed` says why not); True
         when the compile of every tag gave no figure to tell (out of memory, none given)."""
@@ -889,8 +879,9 @@ class _Search:
                 and (b := self._figure(r)) is not None]
 
     def _check_program(self, c: _Candidate) -> None:
-        """Raise `_PolicyIgnored` when `c`, the search's second compile, compiled to full
-        remat's FLOPs (and bytes, where there are figures) though it keeps other bytes."""
+        """Raise `_PolicyIgnored` when `c` (the bisection's first set, or every tag saved in
+        the rescue) compiled to full remat's FLOPs (and bytes, where both have figures)
+        though it keeps other bytes."""
         a, b = self.compiled[()], self.compiled[c.saved]
         if not b.oom and a.flops == b.flops and c.kept != self._by[()].kept \
                 and (a.bytes is None or b.bytes is None or a.bytes == b.bytes):
@@ -939,7 +930,7 @@ class _Search:
                 self.max_compiles = total if self.budget_given else _oracle_cap(len(
                     _frontier(self.candidates)))
                 return self._walk()
-            self._check_used(every)
+            self._check_program(every)
             if not got.over(self.limit):
                 if self.fits(()) and not self._follows(full, every):
                     return self.best()  # full remat fits tightly, and memory is flat
