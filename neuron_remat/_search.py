@@ -875,8 +875,7 @@ class _Search:
         under what it keeps against full remat may be one tag sparing a workspace (two save
         sets that compile alike are not)."""
         return [(self._by[s], b) for s, r in self.compiled.items()
-                if s != () and self._known(s) and s in self._by
-                and (b := self._figure(r)) is not None]
+                if s != () and self._known(s) and (b := self._figure(r)) is not None]
 
     def _check_program(self, c: _Candidate) -> None:
         """Raise `_PolicyIgnored` when `c` (the bisection's first set, or every tag saved in

@@ -494,6 +494,25 @@ def test_a_miss_on_one_tag_moves_the_prediction_of_a_tag_the_trace_cannot_tell_a
         assert abs(mean) < 1e-6 * r and var == pytest.approx(t2 + e2, rel=1e-6), other
 
 
+def _walk_from(cands, table, limit, first, budget=6):
+    """The walk (`_Search._walk`, as the rescue and a converged bisection run it) on a
+    table of compiled bytes with memory figures, after the search compiled `first` (full
+    remat first), with the uncertainty `_Search._run` starts from."""
+    calls = []
+
+    def measure(c, predicted):
+        calls.append(c.saved)
+        return C._Compiled(table[c.saved], 0, 0, 0, 0, 1e9 + c.recompute, 0.0)
+
+    s = S._Search(list(cands), measure, limit, budget)
+    s._scale, s._floor = float(table[()]), S.FLOOR * table[()]
+    s.sigma = max(S.DEFAULT_BAND * table[()], s._floor)
+    by = {c.saved: c for c in cands}
+    for saved in first:
+        s._measure(by[saved])
+    return s._walk(), s, calls
+
+
 def _last_compile(limit_mib, budget):
     """By hand (MiB, `_by_hand`: a set of n size units compiles to 100 + 3n/8, exactly as
     the model says): c (1 unit, 1 GFLOP saved), b (2 units, 2 GFLOP) and a (20 units, 10
@@ -503,20 +522,8 @@ def _last_compile(limit_mib, budget):
     sets = [s for r in range(4) for s in itertools.combinations("abc", r)]
     table = {s: 100 + 0.375 * sum(sizes[t] for t in s) for s in sets} | {None: 120}
     cands, table = _by_hand(sizes, gains, table)
-    by = {c.saved: c for c in cands}
-    calls = []
-
-    def measure(c, predicted):
-        calls.append(c.saved)
-        return C._Compiled(table[c.saved], 0, 0, 0, 0, 1e9 + c.recompute, 0.0)
-
-    s = S._Search(list(cands), measure, int(limit_mib * MiB), budget)
-    s._scale, s._floor = float(table[()]), S.FLOOR * table[()]
-    s.sigma = S.DEFAULT_BAND * table[()]
-    s.model = S._Model(float(table[()] - by[()].kept - by[()].read), 1.0, 1.0)
-    for saved in ((), ("a", "b", "c"), ("c",)):
-        s._measure(by[saved])
-    got = s._walk()
+    got, _, calls = _walk_from(cands, table, int(limit_mib * MiB),
+                               [(), ("a", "b", "c"), ("c",)], budget)
     return calls[3], got
 
 
@@ -535,25 +542,6 @@ def test_the_last_compile_goes_to_a_likely_fit():
     assert fourth == ("a",)  # about 0.42 x 9, over a, c (0.36 x 10) and a, b (0.28 x 11)
     fourth, got = _last_compile(100.6, budget=4)
     assert fourth == ("b", "c") and got.saved == ("c",)
-
-
-def _walk_from(cands, table, limit, first, budget=6):
-    """The walk (`_Search._walk`, as the rescue and a converged bisection run it) on a
-    table of compiled bytes with memory figures, after the search compiled `first` (full
-    remat first), with the uncertainty `_Search._run` starts from."""
-    calls = []
-
-    def measure(c, predicted):
-        calls.append(c.saved)
-        return C._Compiled(table[c.saved], 0, 0, 0, 0, 1e9 + c.recompute, 0.0)
-
-    s = S._Search(list(cands), measure, limit, budget)
-    s._scale, s._floor = float(table[()]), S.FLOOR * table[()]
-    s.sigma = max(S.DEFAULT_BAND * table[()], s._floor)
-    by = {c.saved: c for c in cands}
-    for saved in first:
-        s._measure(by[saved])
-    return s._walk(), s, calls
 
 
 def test_with_compiles_left_the_walk_takes_a_long_shot_rather_than_stop():
