@@ -22,17 +22,17 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    predicted bytes and recompute) from its middle: each compile says whether its set fits
    and calibrates ``bytes(S) = fixed + scale x kept(S) + slope x read(S)``; once it has,
    the next set is the least-recompute one between the nearest fit and the nearest over
-   that the model puts within the limit (`_Search._bisect`). kept(S) is the residuals of
-   every layer (exact, from the graphs), read(S) the bytes one layer's backward reads that
-   S recomputes, both as the backend stores them (XLA:CPU keeps bfloat16 as float32:
-   `_step.STORED_ITEMSIZE`), `scale` what is left per kept byte (near 1), `fixed` the state
-   and the policy-independent temporaries. The model's misses are read as one unknown
-   effect per saved tag (a Gaussian process over which tags a set saves, `TAG_SD`,
-   `SET_SD`, with correlated effects for tags the trace cannot tell apart, `ALIKE`): XLA's
-   buffer packing moves with particular tags, and saving one may compile smaller than
-   saving none. A set sharing most tags with compiled ones is predicted from them, with
-   little uncertainty; one made of tags never compiled, nor alike to one compiled, keeps
-   their whole uncertainty;
+   (the frontier's top, before any came out over) that the model puts within the limit
+   (`_Search._bisect`). kept(S) is the residuals of every layer (exact, from the graphs),
+   read(S) the bytes one layer's backward reads that S recomputes, both as the backend
+   stores them (XLA:CPU keeps bfloat16 as float32: `_step.STORED_ITEMSIZE`), `scale` what
+   is left per kept byte (near 1), `fixed` the state and the policy-independent
+   temporaries. The model's misses are read as one unknown effect per saved tag (a Gaussian
+   process over which tags a set saves, `TAG_SD`, `SET_SD`, with correlated effects for
+   tags the trace cannot tell apart, `ALIKE`): XLA's buffer packing moves with particular
+   tags, and saving one may compile smaller than saving none. A set sharing most tags with
+   compiled ones is predicted from them, with little uncertainty; one made of tags never
+   compiled, nor alike to one compiled, keeps their whole uncertainty;
 3. once the bisection converges, walks the compiles left beside the frontier by expected
    gain (the rescue below walks so from its first fit): each set that recomputes less than
    the best compiled fit gets a chance to fit (normal errors: the search's uncertainty and

@@ -668,8 +668,10 @@ class _Search:
     def _bisect(self) -> _Candidate | None:
         """Bisect the predicted frontier from its middle (see `_oracle_cap`), each compile
         saying whether its set fits; once figures have calibrated the model, each next set
-        is the least-recompute one between the nearest fit and the nearest over that the
-        model puts within the limit (`_oracle_next`). With memory figures this is the
+        is the least-recompute one between the nearest fit and the nearest over (with
+        memory figures, the frontier's top while none came out over) that the model puts
+        within the limit (`_oracle_next`); with the oracle the middle until one came out
+        over (a set that fits gives no figure). With memory figures this is the
         search wherever full remat fits with room (`TIGHT`), within `max_compiles`; with
         the compile as the oracle (no memory figures: fits or runs out of memory) within
         `_oracle_cap`, unless the caller gave a budget.
@@ -695,7 +697,10 @@ class _Search:
         (97% before) and 98% on moe8-rope-sgd (94%, largest miss 8.81 -> 8.09 points, in the
         rescue), 98% on rope-gqa2-bf16 (99%; its largest miss 1.18 -> 2.37: after 6
         compiles, a gated FFN's two alike halves that compile apart); wide-ffn-sgd-bf16 and
-        long-seq unchanged, every share within the cap unchanged. Reading flat memory from
+        long-seq unchanged, every share within the cap unchanged. After the middle's
+        compile, the set the model puts within the limit before any came out over (rather
+        than halving on up): rope-gqa2-bf16 99% (largest miss 1.18), the other train steps
+        unchanged in every column. Reading flat memory from
         full remat and one save set (as every tag saved against full remat was read) cost
         moe8-rope-sgd 3 points: a set holding its router's logits and experts' up projection
         compiles 0.8 MiB under what it keeps, the pair spares a workspace."""
@@ -707,8 +712,12 @@ class _Search:
                  + f"bisecting a predicted frontier of {len(front)} save sets from its "
                  f"middle: at most {self.max_compiles} compiles in all")
         lo, hi = len(front) - 1, -1  # front[lo] fits (full remat); front[hi] does not
+        start = self.used
         while lo - hi > 1 and self.used < self.max_compiles:
-            mid = (lo + hi) // 2 if hi < 0 else self._oracle_next(front, lo, hi)
+            # the middle first; then the set the model puts within the limit, though none
+            # came out over yet where memory figures calibrate it (not the oracle's)
+            first = hi < 0 and (self.oracle or self.used == start)
+            mid = (lo + hi) // 2 if first else self._oracle_next(front, lo, hi)
             c = front[mid]
             if c.saved in self.compiled:  # full remat is the whole frontier's only set
                 break
@@ -834,9 +843,10 @@ class _Search:
 
     def _oracle_next(self, front: Sequence[_Candidate], lo: int, hi: int) -> int:
         """The next frontier index to compile between a set that fits (`lo`) and one over
-        (`hi`): once out-of-memory figures have calibrated the model, the least-recompute
-        set between them predicted within the limit (the interval's midpoint when none
-        is, or no figure came); otherwise the midpoint."""
+        (`hi`; -1 while none came out over, the top a candidate too): once figures (memory
+        or out-of-memory) have calibrated the model, the least-recompute set between them
+        predicted within the limit (the interval's midpoint when none is, or no figure
+        came); otherwise the midpoint."""
         mid = (lo + hi) // 2
         if self.model is None:
             return mid

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import itertools
+import json
 import math
 import random
 import sys
@@ -607,6 +608,58 @@ def test_with_room_the_search_bisects_the_frontier_before_it_walks():
     got, s, calls = _run(cands, table, limit)
     assert got.saved == best.saved and len(calls) <= 6, (calls, s.stop)
 
+
+def test_with_memory_figures_the_bisection_goes_where_the_model_puts_a_fit():
+    """With room for every tag saved, once the frontier's middle compiled within the limit
+    (memory figures calibrate the model exactly here: no noise), the next compile is the
+    set the model puts within the limit that recomputes least, every tag saved, not the
+    middle of the upper half: full remat, the middle, every tag, then no remat (over):
+    four compiles where halving up to the top took more."""
+    cands, table = _synthetic(6, seed=3, noise=0.0)
+    front = S._frontier(cands)
+    every = next(c for c in cands if c.saved is not None)
+    assert front[0].saved is None and front[1] is every  # the premise
+    limit = (table[every.saved] + table[None]) // 2  # every tag fits, no remat does not
+    got, s, calls = _run(cands, table, limit)
+    middle = front[(len(front) - 1 - 1) // 2]
+    assert calls == [(), middle.saved, every.saved, None], (calls, s.stop)
+    assert got.saved == every.saved
+
+def _gqa4_adamw_compiles():
+    """zoo.py's gqa4-adamw as `fit` sees it: each of the 257 save sets' kept, stored and
+    read bytes and recompute FLOPs from its step graph, and its compiled bytes
+    (memory_analysis() on XLA:CPU; data/SOURCES.md). Candidates (least recompute first)
+    and the table of compiled bytes."""
+    sets = json.loads((Path(__file__).parent / "data" / "gqa4-adamw-compiles.json")
+                      .read_text())["sets"]
+    key = [None if s is None else tuple(s) for s, *_ in sets]
+    cands = sorted((S._Candidate(k, kept, read, flops, stored)
+                    for k, (_, kept, stored, read, flops, _) in zip(key, sets)), key=S._order)
+    return cands, {k: row[5] for k, row in zip(key, sets)}
+
+
+def test_a_stalled_walk_bisects_the_predicted_frontier(monkeypatch):
+    """gqa4-adamw at 17,448,845 bytes: full remat compiles 0.74 MiB under, within 4 x the
+    uncertainty, so the rescue walks from its first fit (each tag's 8 compiles more). Its
+    walk by expected gain took `context, mlpwi_0` with `mlpwi_1`, then with `out_proj`:
+    both over. The walk has stalled; the next compile is the predicted frontier's
+    midpoint between the nearest fit and the nearest over, `key_proj, value_proj, context,
+    mlpwi_0`: it fits, and is the least recompute of any set that does (the table's brute
+    force). Walking on by expected gain instead, the search ends 0.73 points of recompute
+    worse (`value_proj, context, mlpwi_0`)."""
+    cands, table = _gqa4_adamw_compiles()
+    limit = 17_448_845
+    best = min((c for c in cands if table[c.saved] <= limit), key=lambda c: c.recompute)
+    assert best.saved == ("key_proj", "value_proj", "context", "mlpwi_0")
+    got, s, calls = _run(cands, table, limit, stretch=8)
+    assert got.saved == best.saved, (calls, s.stop)
+    first = next(i for i in range(2, len(calls))
+                 if table[calls[i - 1]] > limit and table[calls[i - 2]] > limit)
+    assert calls[first - 2:first + 1] == [("context", "mlpwi_0", "mlpwi_1"),
+                                          ("context", "out_proj", "mlpwi_0"), best.saved]
+    monkeypatch.setattr(S._Search, "_frontier_midpoint", lambda self, better: None)
+    got, s, calls = _run(cands, table, limit, stretch=8)
+    assert got.saved != best.saved  # the premise: without the rule, the walk misses it
 
 def test_oracle_reads_a_set_that_compiled_as_at_most_the_limit():
     """gqa4-adamw at 15.67 MiB with the compile as the oracle: full remat, every tag,
