@@ -88,7 +88,9 @@ every tag saved, as likely to fit as any set, is compiled if it was not and a co
 left, before the search stops). Errors without figures say only which sets fit: where the
 bisection converges with compiles left, the model's intercept is placed between what the
 sets that fit and those that did not allow (per-byte scale and workspace slope at 1), and
-the rest go to the walk on that model (`_Search._model_by_outcomes`).
+the rest go to the walk on that model (`_Search._model_by_outcomes`), which compiles no set
+holding every tag of one that ran out of memory with no figure (it keeps more, by an
+amount no figure bounds: `_Search._scored`).
 
 Two steps are reported rather than planned: one whose policy changes nothing (full remat
 and the search's second set compile to the same program: `PolicyIgnoredError`), and one

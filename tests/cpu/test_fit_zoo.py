@@ -625,6 +625,7 @@ def test_with_memory_figures_the_bisection_goes_where_the_model_puts_a_fit():
     assert calls == [(), middle.saved, every.saved, None], (calls, s.stop)
     assert got.saved == every.saved
 
+
 def _gqa4_adamw_compiles():
     """zoo.py's gqa4-adamw as `fit` sees it: each of the 257 save sets' kept, stored and
     read bytes and recompute FLOPs from its step graph, and its compiled bytes
@@ -660,6 +661,49 @@ def test_a_stalled_walk_bisects_the_predicted_frontier(monkeypatch):
     monkeypatch.setattr(S._Search, "_frontier_midpoint", lambda self, better: None)
     got, s, calls = _run(cands, table, limit, stretch=8)
     assert got.saved != best.saved  # the premise: without the rule, the walk misses it
+
+
+def test_oracle_without_figures_compiles_no_set_holding_one_that_ran_out_of_memory():
+    """With the compile as the oracle and no figure in its errors, a set that ran out of
+    memory says only that it is over; a set holding all its tags and more keeps more. At 37
+    of 101 sizes across gqa4-adamw's table the walk compiled such a set anyway (a long shot
+    by expected gain: no figure told the model how far over the smaller one was); now at
+    none, and every plan fits."""
+    cands, table = _gqa4_adamw_compiles()
+    lo, hi = min(table.values()), table[None]
+    for i in range(101):
+        limit = int(lo + i * (1.05 * hi - lo) / 100)
+        got, s, calls = _run(cands, table, limit, oracle=True, figures=False)
+        over: list[set[str]] = []
+        for c in calls:
+            assert not (c and any(o <= set(c) for o in over)), (limit, calls)
+            if c and table[c] > limit:
+                over.append(set(c))
+        assert got is not None and table[got.saved] <= limit, (limit, calls, s.stop)
+
+
+def test_oracle_without_figures_tries_first_the_tags_that_add_least_to_full_remat():
+    """gqa4-adamw at 16,638,410 bytes, the compile as the oracle and no figures: full remat
+    (16,671,600) runs out of memory, and so does every tag saved. Nothing calibrated the
+    model, whose intercept was the arguments and outputs alone: every set was predicted far
+    within the limit, so each tag alone went by recompute saved (`mlpwi_0`, `mlpwi_1`,
+    `attn_scores`, all over), `context` fit fourth and the plan was `context` (2.91 points
+    over the best). With full remat put over the limit, the tags go by what they keep and
+    read beyond it: `key_proj`, `value_proj` (over), then `context`, and the walk finds
+    `context, out_proj`, the least recompute of any set that fits (the table's brute
+    force)."""
+    cands, table = _gqa4_adamw_compiles()
+    by = {c.saved: c for c in cands}
+    limit = 16_638_410
+    assert table[()] > limit  # the premise
+    best = min((c for c in cands if table[c.saved] <= limit), key=lambda c: c.recompute)
+    assert best.saved == ("context", "out_proj")
+    got, s, calls = _run(cands, table, limit, oracle=True, figures=False)
+    singles = sorted((c for c in by if c and len(c) == 1),
+                     key=lambda c: by[c].stored + by[c].read)
+    assert set(calls[2:4]) == set(singles[:2]) and calls[4] == singles[2] == ("context",)
+    assert got.saved == best.saved, (calls, s.stop)
+
 
 def test_oracle_reads_a_set_that_compiled_as_at_most_the_limit():
     """gqa4-adamw at 15.67 MiB with the compile as the oracle: full remat, every tag,
