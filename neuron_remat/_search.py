@@ -941,13 +941,12 @@ class _Search:
         if self.points():  # memory figures, or the out-of-memory error's
             self.model = _Model.calibrate(self.points())
         else:
-            # no figure: the uncalibrated model, its intercept raised to put full remat,
-            # which ran out of memory, over the limit (so the sets it ranks first are
-            # those that keep and read least beyond full remat, not those that save most)
-            fixed = float(self.compiled[()].fixed or 0)
-            if self.compiled[()].over(self.limit):
-                fixed = max(fixed, float(self.limit - full.stored - full.read + 1))
-            self.model = _Model(fixed, 1.0, 1.0)
+            # no figure, so full remat ran out of memory (a tight fit is known only from
+            # its figure): the uncalibrated model, its intercept raised to put full remat
+            # over the limit (so the sets it ranks first are those that keep and read least
+            # beyond full remat, not those that save most)
+            self.model = _Model(max(float(self.compiled[()].fixed or 0),
+                                    float(self.limit - full.stored - full.read + 1)), 1.0, 1.0)
         total = self.max_compiles + self.stretch
         every = self._every
         if every is not None and every.saved and self.used < total:
