@@ -41,6 +41,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -112,21 +113,70 @@ def _saved_of(policy: Any, tags: Sequence[str]) -> tuple[str, ...] | None:
     return tuple(t for t in tags if t in policy.names)
 
 
+TABLES = C.REPO / "benchmarks" / "brute_force"
+"""The compiled brute force, committed: per step the file `Brute.fill` writes (every save
+set's memory and cost figures), with the JAX that compiled it (`compiled_with`). A step's
+cache in ``OUT`` starts from its table where this JAX and jaxlib are that one, so that
+``--cached-only`` reproduces the figures on a fresh clone, where compiling them takes
+hours (measured on 2 shared cores: gqa4-adamw's 257 sets in 13 minutes,
+rope-gqa2-bf16-fsdp8's 129 over 8 devices in about 20). XLA:CPU compiles
+deterministically: gqa4-adamw's 257 compiles on a new machine equalled, byte for byte, the
+table compiled on another (tests/cpu/data/gqa4-adamw-compiles.json). ``--publish`` writes
+the tables."""
+
+
+def compiled_with() -> dict[str, str]:
+    """What a table's figures depend on: JAX and jaxlib, the backend, and XLA's flags
+    (`_common.prepare_compiles` and ``--host-devices`` set them)."""
+    import jax  # noqa: PLC0415
+    import jaxlib  # noqa: PLC0415
+
+    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+            "backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
+def _same_compiler(a: dict[str, str], b: dict[str, str]) -> bool:
+    """Whether two tables' figures come from the same compiler (JAX, jaxlib, backend, and
+    XLA's flags as a set: their order does not matter)."""
+    return all(a.get(k) == b.get(k) for k in ("jax", "jaxlib", "backend")) \
+        and set(a.get("xla_flags", "").split()) == set(b.get("xla_flags", "").split())
+
+
 class Brute:
-    """The cached compiles of one step, by save set (`tags` order)."""
+    """The cached compiles of one step, by save set (`tags` order): the cache in ``OUT``,
+    and what the committed table (`TABLES`) holds beyond it where the same compiler made
+    it."""
 
     def __init__(self, spec: Any, tags: Sequence[str], path: Path) -> None:
         self.spec, self.tags, self.path = spec, tuple(tags), path
         self.table: dict[str, dict[str, float]] = {}
         self.file_tags = list(self.tags)
-        if path.exists():
-            data = json.loads(path.read_text())
-            # a cache over more tags serves any of them in the same order (its keys list a
-            # set's tags in that order): a prefix, or the tags left once `_pool` drops one
-            cached = list(data.get("tags", []))
-            at = [cached.index(t) for t in self.tags if t in cached]
-            if len(at) == len(self.tags) and at == sorted(at):
-                self.table, self.file_tags = data["sets"], cached
+        self.compiled_with: dict[str, str] | None = None
+        self.seeded = 0  # sets taken from the committed table
+        data = self._read(path)
+        if data is not None:
+            self.table, self.file_tags = data["sets"], list(data["tags"])
+            self.compiled_with = data.get("compiled_with")
+        seed = self._read(TABLES / path.name)
+        if seed is not None and seed.get("compiled_with") is not None \
+                and (data is None or list(seed["tags"]) == self.file_tags):
+            here = self.compiled_with or compiled_with()
+            if _same_compiler(seed["compiled_with"], here):
+                more = {k: v for k, v in seed["sets"].items() if k not in self.table}
+                self.table = {**self.table, **more}
+                self.file_tags = list(seed["tags"])
+                self.seeded, self.compiled_with = len(more), here
+
+    def _read(self, path: Path) -> dict[str, Any] | None:
+        """A cache or table at `path` that serves these tags: one over more tags serves any
+        of them in the same order (its keys list a set's tags in that order), a prefix or
+        the tags left once `_pool` drops one. None when there is none."""
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        cached = list(data.get("tags", []))
+        at = [cached.index(t) for t in self.tags if t in cached]
+        return data if len(at) == len(self.tags) and at == sorted(at) else None
 
     def sets(self) -> list[tuple[str, ...] | None]:
         """No remat, then every subset in binary counting order: the first 2**k subsets
@@ -167,11 +217,26 @@ class Brute:
             row["transcendentals"] = C.compiled_transcendentals(c)
             self.table[_key(saved)] = row
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps({"step": self.spec.name, "tags": self.file_tags,
-                                             "sets": self.table}, indent=0))
+            self.compiled_with = self.compiled_with or compiled_with()
+            self._write(self.path)
             say(f"  {self.spec.name}: compiled {i + 1}/{len(todo)} "
                 f"({_key(saved) or 'nothing'}): {row['bytes'] / MiB:.2f} MiB")
         return time.perf_counter() - t0
+
+    def _write(self, path: Path) -> None:
+        path.write_text(json.dumps({"step": self.spec.name, "tags": self.file_tags,
+                                    "compiled_with": self.compiled_with,
+                                    "sets": self.table}, indent=0))
+
+    def publish(self) -> str:
+        """Write the cache as the step's committed table (`TABLES`); one line saying what.
+        A cache written before caches named their compiler is taken to be this one's."""
+        if self.compiled_with is None:
+            self.compiled_with = compiled_with()
+        TABLES.mkdir(parents=True, exist_ok=True)
+        self._write(TABLES / self.path.name)
+        return (f"  {self.spec.name}: {len(self.table)} compiled sets written to "
+                f"{TABLES / self.path.name} (JAX {self.compiled_with['jax']})")
 
     def get(self, saved: Sequence[str] | None) -> dict[str, float]:
         return self.table[_key(saved)]
@@ -354,6 +419,7 @@ def _summary(rows: Sequence[dict[str, Any]], n_frontier: int, oracle: bool) -> d
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = C.parser(__doc__.splitlines()[0], NAME)
     p.add_argument("--brute-only", action="store_true", help="fill the cache and stop")
+    p.add_argument("--publish", action="store_true", help=PUBLISH_HELP)
     p.add_argument("--cached-only", action="store_true",
                    help="compile nothing: sweep each step over the leading tags its cache "
                         "covers completely (a brute force cut short)")
@@ -410,7 +476,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if args.spare:
             pool, path = with_spare(name, graph, pool), path.with_name(f"{name}+spare.json")
         brute = Brute(spec, pool, path)
-        say(f"{name} ({spec.split}): tags {', '.join(pool)}")
+        say(f"{name} ({spec.split}): tags {', '.join(pool)}"
+            + (f"; {brute.seeded} compiled sets from its committed table" if brute.seeded
+               else ""))
         if args.cached_only:
             k = brute.complete_prefix()
             if k < 1:
@@ -423,6 +491,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             seconds = 0.0
         else:
             seconds = brute.fill(say)
+        if args.publish:
+            say(brute.publish())
         if args.brute_only:
             continue
         step = {"split": spec.split, "tags": list(pool), "brute_seconds": seconds,
@@ -451,6 +521,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                     for m in st["modes"].values()) if result["steps"] else 0.0
     text = "\n".join(lines)
     return C.finish(args, NAME, result, text, say)
+
+
+PUBLISH_HELP = ("write each step's cache, once filled, as its committed table "
+                "(benchmarks/brute_force/<step>.json, with the JAX that compiled it), from "
+                "which a fresh clone's cache starts")
 
 
 def modes(bare: bool) -> tuple[str, ...]:

@@ -1,0 +1,133 @@
+"""The committed compile tables (benchmarks/brute_force/) and the README's figures of `fit`
+drawn from them.
+
+Each table is XLA:CPU's memory and cost figures for every save set of a zoo step, compiled
+by `benchmarks/fit_sweep.py` and committed with the JAX that compiled it. The first test
+compiles a few of those sets again here and holds them to the table (the expected value is
+XLA's, now); the second sweeps `fit` over the tables as the README says it was swept and
+holds the README's tables of the zoo to what the sweep gives, so that a change to the search
+that moves a figure cannot land without the README saying so. Both skip, with the reason,
+where this JAX or jaxlib is not the one that compiled the tables (another XLA may lay memory
+out otherwise; the sweep would then recompile for hours). Marked slow: minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fit_sweep as FS  # noqa: E402
+import zoo  # noqa: E402
+
+README = ROOT / "README.md"
+ZOO_HEADER = "| step | split | tags | no remat / full | memory_analysis | oracle |"
+
+
+def _tables() -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(FS.TABLES.glob("*.json"))}
+
+
+def _skip_unless_same_compiler(table: dict) -> None:
+    import jax
+    import jaxlib
+
+    made = table["compiled_with"]
+    if (made["jax"], made["jaxlib"]) != (jax.__version__, jaxlib.__version__):
+        pytest.skip(f"the committed tables were compiled with JAX {made['jax']} / jaxlib "
+                    f"{made['jaxlib']}; this is {jax.__version__} / {jaxlib.__version__}")
+
+
+def _readme_rows(header: str) -> dict[str, list[str]]:
+    """The rows of the README's first table under `header`, by step: their cells."""
+    lines = README.read_text().splitlines()
+    at = lines.index(header)
+    rows = {}
+    for line in lines[at + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells
+    return rows
+
+
+def _cell(summary: dict) -> str:
+    """A mode's README cell: share within 0.5 points / largest gap, refusals while some
+    set fits, share of sizes within the compile cap."""
+    gap = summary["gap_max"] or 0.0
+    return (f"{100 * summary['share_gap_le_0_5']:.0f}% / "
+            + ("0" if gap == 0 else f"{100 * gap:.2f}")
+            + f", {summary['refusals_while_some_fits']}, {100 * summary['share_within_cap']:.0f}%")
+
+
+def test_every_zoo_step_has_a_table_over_its_pool():
+    """Each one-device zoo step has its table, covering every subset of its tags and no
+    remat, in the order the sweep keys them: the README's zoo table can be swept on a
+    fresh clone."""
+    tables = _tables()
+    for name in zoo.ZOO:
+        assert name in tables, f"benchmarks/brute_force/{name}.json is missing"
+        t = tables[name]
+        n = len(t["tags"])
+        assert len(t["sets"]) == 2 ** n + 1, (name, len(t["sets"]))
+        assert FS.NO_REMAT in t["sets"] and "" in t["sets"]
+        assert set(t["compiled_with"]) >= {"jax", "jaxlib", "backend", "xla_flags"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,saved", [("long-seq", ()), ("long-seq", ("attn_ctx",)),
+                                        ("moe8-rope-sgd", ("gate_logits", "experts_up"))])
+def test_a_table_is_what_xla_compiles_here(name, saved):
+    """A set's row of the table equals XLA's figures for it compiled now, in a process of
+    its own with the table's XLA flags (the compile is the expected value; a table compiled
+    by another XLA fails here)."""
+    table = _tables()[name]
+    _skip_unless_same_compiler(table)
+    code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'benchmarks')!r}, "
+            f"{str(Path(__file__).resolve().parent)!r}]\n"
+            "import json, zoo, _common as C\n"
+            "from jax._src.ad_checkpoint import save_only_these_names\n"
+            f"spec = zoo.ZOO[{name!r}]\n"
+            f"c = spec.make_step()(save_only_these_names(*{saved!r}))"
+            ".lower(*spec.abstract_args()).compile()\n"
+            "print(json.dumps({**C.memory_row(c), 'flops': C.compiled_flops(c)}))\n")
+    env = {**os.environ, "XLA_FLAGS": table["compiled_with"]["xla_flags"]}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    row = table["sets"][",".join(saved)]
+    assert got == {k: row[k] for k in got}, (got, row)
+
+
+@pytest.mark.slow
+def test_the_readme_zoo_table_is_the_sweep_of_the_committed_tables(tmp_path):
+    """`python benchmarks/fit_sweep.py --cached-only` on a fresh cache (the tables only)
+    gives the README's zoo table, cell by cell."""
+    rows = _readme_rows(ZOO_HEADER)
+    assert set(rows) == set(zoo.ZOO), sorted(rows)
+    made = _tables()["gqa4-adamw"]["compiled_with"]
+    _skip_unless_same_compiler(_tables()["gqa4-adamw"])
+    out = tmp_path / "sweep.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fit_sweep.py"),
+                          "--cached-only", "--quiet", "--out", str(tmp_path), "--json",
+                          str(out), "--steps", ",".join(rows)],
+                         env={**os.environ, "XLA_FLAGS": made["xla_flags"]},
+                         capture_output=True, text=True, timeout=1200, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    for name, cells in rows.items():
+        st = result["steps"][name]
+        got = [name, st["split"], str(len(st["tags"])),
+               f"{st['no_remat_bytes'] / st['full_remat_bytes']:.2f}x",
+               _cell(st["modes"]["memory_analysis"]["summary"]),
+               _cell(st["modes"]["oracle"]["summary"])]
+        assert got == cells, (name, got, cells)
