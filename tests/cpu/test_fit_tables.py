@@ -1,14 +1,16 @@
 """The committed compile tables (benchmarks/brute_force/) and the README's figures of `fit`
 drawn from them.
 
-Each table is XLA:CPU's memory and cost figures for every save set of a zoo step, compiled
-by `benchmarks/fit_sweep.py` and committed with the JAX that compiled it. The first test
-compiles a few of those sets again here and holds them to the table (the expected value is
-XLA's, now); the second sweeps `fit` over the tables as the README says it was swept and
-holds the README's tables of the zoo to what the sweep gives, so that a change to the search
-that moves a figure cannot land without the README saying so. Both skip, with the reason,
-where this JAX or jaxlib is not the one that compiled the tables (another XLA may lay memory
-out otherwise; the sweep would then recompile for hours). Marked slow: minutes.
+Each table holds XLA:CPU's memory and cost figures for every save set of a step, compiled
+by `benchmarks/fit_sweep.py` (or `maxtext_fit.py`, `axlearn_fit.py`) and committed with
+the JAX that compiled it. One test checks that every zoo step has its table; one compiles a
+few sets again and holds them to their rows (the expected value is XLA's, now); one sweeps
+`fit` over the tables as the README says it was swept and holds the README's tables of the
+zoo, the foreign steps and the sharded steps (and their rows of the table of the oracle
+without figures) to what the sweep gives, so that a change to the search that moves one of
+those figures cannot land without the README saying so. The last two skip, with the reason,
+where this JAX or jaxlib is not the one that compiled the tables (another XLA may lay
+memory out otherwise, and the sweep would recompile for hours). They are marked slow.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import zoo  # noqa: E402
 
 README = ROOT / "README.md"
 ZOO_HEADER = "| step | split | tags | no remat / full | memory_analysis | oracle |"
+BARE_HEADER = "| step | oracle (figures) | oracle_bare |"
 
 
 def _tables() -> dict[str, dict]:
@@ -46,10 +49,10 @@ def _skip_unless_same_compiler(table: dict) -> None:
                     f"{made['jaxlib']}; this is {jax.__version__} / {jaxlib.__version__}")
 
 
-def _readme_rows(header: str) -> dict[str, list[str]]:
-    """The rows of the README's first table under `header`, by step: their cells."""
+def _readme_rows(header: str, nth: int = 0) -> dict[str, list[str]]:
+    """The rows of the README's `nth` table (from 0) under `header`, by step: their cells."""
     lines = README.read_text().splitlines()
-    at = lines.index(header)
+    at = [i for i, line in enumerate(lines) if line == header][nth]
     rows = {}
     for line in lines[at + 2:]:
         if not line.startswith("|"):
@@ -108,26 +111,70 @@ def test_a_table_is_what_xla_compiles_here(name, saved):
     assert got == {k: row[k] for k in got}, (got, row)
 
 
+SHARDED_HEADER = ("| step | memory_analysis | oracle | before: memory_analysis | "
+                  "before: oracle |")
+SHARDED = ["big-state-fsdp8", "wide-ffn-sgd-bf16-fsdp8", "long-seq-fsdp8",
+           "moe-fused-qkv-fsdp8", "big-state-dp8", "wide-ffn-sgd-bf16-dp8",
+           "big-state-dp4tp2", "wide-ffn-sgd-bf16-dp4tp2", "long-seq-dp4tp2",
+           "moe8-rope-sgd-fsdp8", "rope-gqa2-bf16-fsdp8"]
+
+
+def _zoo_row(name: str, st: dict) -> list[str]:
+    """A row of the README's zoo tables: step, split, tags, no remat over full remat, then
+    the two modes' cells."""
+    return [name, st["split"], str(len(st["tags"])),
+            f"{st['no_remat_bytes'] / st['full_remat_bytes']:.2f}x",
+            _cell(st["modes"]["memory_analysis"]["summary"]),
+            _cell(st["modes"]["oracle"]["summary"])]
+
+
+def _sharded_row(name: str, st: dict) -> list[str]:
+    """The first three cells of a row of the README's sharded table (the other two are
+    the code before the count per core, on the same tables)."""
+    return [name, _cell(st["modes"]["memory_analysis"]["summary"]),
+            _cell(st["modes"]["oracle"]["summary"])]
+
+
+# The README's tables of `fit`: (header, which of the tables under it from 0, fit_sweep.py's
+# extra arguments, the steps in the table's order, a row as the sweep gives it).
+README_TABLES = {
+    "zoo": (ZOO_HEADER, 0, [], list(zoo.ZOO), _zoo_row),
+    "foreign": (ZOO_HEADER, 1, ["--steps-module", "tests.cpu.foreign_zoo"],
+                ["linen-gpt2", "eqx-llama", "nnx-parallel", "haiku-free-mixer",
+                 "linen-encdec"], _zoo_row),
+    "sharded": (SHARDED_HEADER, 0, ["--steps-module", "tests.cpu.sharded_zoo",
+                                    "--host-devices", "8"], SHARDED, _sharded_row),
+}
+
+
 @pytest.mark.slow
-def test_the_readme_zoo_table_is_the_sweep_of_the_committed_tables(tmp_path):
-    """`python benchmarks/fit_sweep.py --cached-only` on a fresh cache (the tables only)
-    gives the README's zoo table, cell by cell."""
-    rows = _readme_rows(ZOO_HEADER)
-    assert set(rows) == set(zoo.ZOO), sorted(rows)
-    made = _tables()["gqa4-adamw"]["compiled_with"]
-    _skip_unless_same_compiler(_tables()["gqa4-adamw"])
+@pytest.mark.parametrize("which", list(README_TABLES))
+def test_a_readme_table_is_the_sweep_of_the_committed_tables(which, tmp_path):
+    """`python benchmarks/fit_sweep.py --cached-only --bare-oracle` (with the table's
+    arguments) on a fresh cache, filled from the committed tables only, gives the README's
+    table cell by cell, and its steps' rows of the table of the oracle without figures."""
+    header, nth, extra, steps, row_of = README_TABLES[which]
+    rows = _readme_rows(header, nth)
+    assert list(rows) == steps, list(rows)
+    tables = _tables()
+    for name in steps:
+        assert name in tables, f"benchmarks/brute_force/{name}.json is missing"
+        _skip_unless_same_compiler(tables[name])
+    flags = [f for f in tables[steps[0]]["compiled_with"]["xla_flags"].split()
+             if "device_count" not in f]  # (--host-devices sets the count)
     out = tmp_path / "sweep.json"
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fit_sweep.py"),
-                          "--cached-only", "--quiet", "--out", str(tmp_path), "--json",
-                          str(out), "--steps", ",".join(rows)],
-                         env={**os.environ, "XLA_FLAGS": made["xla_flags"]},
-                         capture_output=True, text=True, timeout=1200, check=False)
+                          "--cached-only", "--bare-oracle", "--quiet", "--out", str(tmp_path),
+                          "--json", str(out), *extra, "--steps", ",".join(steps)],
+                         env={**os.environ, "XLA_FLAGS": " ".join(flags)},
+                         cwd=ROOT, capture_output=True, text=True, timeout=1200, check=False)
     assert run.returncode == 0, run.stderr[-2000:]
     result = json.loads(out.read_text())
     for name, cells in rows.items():
-        st = result["steps"][name]
-        got = [name, st["split"], str(len(st["tags"])),
-               f"{st['no_remat_bytes'] / st['full_remat_bytes']:.2f}x",
-               _cell(st["modes"]["memory_analysis"]["summary"]),
-               _cell(st["modes"]["oracle"]["summary"])]
-        assert got == cells, (name, got, cells)
+        got = row_of(name, result["steps"][name])
+        assert got == cells[:len(got)], (name, got, cells)
+    bare = _readme_rows(BARE_HEADER)  # the oracle without figures, every step in one table
+    for name in steps:
+        modes = result["steps"][name]["modes"]
+        got = [name, _cell(modes["oracle"]["summary"]), _cell(modes["oracle_bare"]["summary"])]
+        assert got == bare[name], (name, got, bare[name])
