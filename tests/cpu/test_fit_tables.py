@@ -28,47 +28,20 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fit_sweep as FS  # noqa: E402
+import readme_tables as R  # noqa: E402
 import zoo  # noqa: E402
 
-README = ROOT / "README.md"
 ZOO_HEADER = "| step | split | tags | no remat / full | memory_analysis | oracle |"
-BARE_HEADER = "| step | oracle (figures) | oracle_bare |"
 
 
 def _tables() -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(FS.TABLES.glob("*.json"))}
 
 
-def _skip_unless_same_compiler(table: dict) -> None:
-    import jax
-    import jaxlib
-
-    made = table["compiled_with"]
-    if (made["jax"], made["jaxlib"]) != (jax.__version__, jaxlib.__version__):
-        pytest.skip(f"the committed tables were compiled with JAX {made['jax']} / jaxlib "
-                    f"{made['jaxlib']}; this is {jax.__version__} / {jaxlib.__version__}")
-
-
-def _readme_rows(header: str, nth: int = 0) -> dict[str, list[str]]:
-    """The rows of the README's `nth` table (from 0) under `header`, by step: their cells."""
-    lines = README.read_text().splitlines()
-    at = [i for i, line in enumerate(lines) if line == header][nth]
-    rows = {}
-    for line in lines[at + 2:]:
-        if not line.startswith("|"):
-            break
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        rows[cells[0]] = cells
-    return rows
-
-
-def _cell(summary: dict) -> str:
-    """A mode's README cell: share within 0.5 points / largest gap, refusals while some
-    set fits, share of sizes within the compile cap."""
-    gap = summary["gap_max"] or 0.0
-    return (f"{100 * summary['share_gap_le_0_5']:.0f}% / "
-            + ("0" if gap == 0 else f"{100 * gap:.2f}")
-            + f", {summary['refusals_while_some_fits']}, {100 * summary['share_within_cap']:.0f}%")
+def _skip_unless_same_compiler(name: str) -> None:
+    why = R.why_not_this_compiler(name)
+    if why is not None:
+        pytest.skip(why)
 
 
 def test_every_zoo_step_has_a_table_over_its_pool():
@@ -93,7 +66,7 @@ def test_a_table_is_what_xla_compiles_here(name, saved):
     its own with the table's XLA flags (the compile is the expected value; a table compiled
     by another XLA fails here)."""
     table = _tables()[name]
-    _skip_unless_same_compiler(table)
+    _skip_unless_same_compiler(name)
     code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'benchmarks')!r}, "
             f"{str(Path(__file__).resolve().parent)!r}]\n"
             "import json, zoo, _common as C\n"
@@ -124,15 +97,15 @@ def _zoo_row(name: str, st: dict) -> list[str]:
     the two modes' cells."""
     return [name, st["split"], str(len(st["tags"])),
             f"{st['no_remat_bytes'] / st['full_remat_bytes']:.2f}x",
-            _cell(st["modes"]["memory_analysis"]["summary"]),
-            _cell(st["modes"]["oracle"]["summary"])]
+            R.cell(st["modes"]["memory_analysis"]["summary"]),
+            R.cell(st["modes"]["oracle"]["summary"])]
 
 
 def _sharded_row(name: str, st: dict) -> list[str]:
     """The first three cells of a row of the README's sharded table (the other two are
     the code before the count per core, on the same tables)."""
-    return [name, _cell(st["modes"]["memory_analysis"]["summary"]),
-            _cell(st["modes"]["oracle"]["summary"])]
+    return [name, R.cell(st["modes"]["memory_analysis"]["summary"]),
+            R.cell(st["modes"]["oracle"]["summary"])]
 
 
 # The README's tables of `fit`: (header, which of the tables under it from 0, fit_sweep.py's
@@ -154,27 +127,19 @@ def test_a_readme_table_is_the_sweep_of_the_committed_tables(which, tmp_path):
     arguments) on a fresh cache, filled from the committed tables only, gives the README's
     table cell by cell, and its steps' rows of the table of the oracle without figures."""
     header, nth, extra, steps, row_of = README_TABLES[which]
-    rows = _readme_rows(header, nth)
+    rows = R.rows(header, nth)
     assert list(rows) == steps, list(rows)
     tables = _tables()
     for name in steps:
         assert name in tables, f"benchmarks/brute_force/{name}.json is missing"
-        _skip_unless_same_compiler(tables[name])
-    flags = [f for f in tables[steps[0]]["compiled_with"]["xla_flags"].split()
-             if "device_count" not in f]  # (--host-devices sets the count)
-    out = tmp_path / "sweep.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "fit_sweep.py"),
-                          "--cached-only", "--bare-oracle", "--quiet", "--out", str(tmp_path),
-                          "--json", str(out), *extra, "--steps", ",".join(steps)],
-                         env={**os.environ, "XLA_FLAGS": " ".join(flags)},
-                         cwd=ROOT, capture_output=True, text=True, timeout=1200, check=False)
-    assert run.returncode == 0, run.stderr[-2000:]
-    result = json.loads(out.read_text())
+        _skip_unless_same_compiler(name)
+    result = R.sweep("fit_sweep.py", ["--cached-only", "--bare-oracle", *extra, "--steps",
+                                      ",".join(steps)], steps[0], tmp_path / "sweep.json")
     for name, cells in rows.items():
         got = row_of(name, result["steps"][name])
         assert got == cells[:len(got)], (name, got, cells)
-    bare = _readme_rows(BARE_HEADER)  # the oracle without figures, every step in one table
+    bare = R.rows(R.BARE_HEADER)  # the oracle without figures, every step in one table
     for name in steps:
         modes = result["steps"][name]["modes"]
-        got = [name, _cell(modes["oracle"]["summary"]), _cell(modes["oracle_bare"]["summary"])]
+        got = [name, R.cell(modes["oracle"]["summary"]), R.cell(modes["oracle_bare"]["summary"])]
         assert got == bare[name], (name, got, bare[name])

@@ -28,6 +28,7 @@ import logging
 import pytest
 
 import maxtext_zoo as mz
+import readme_tables as R
 from xla_figures import compiled_bytes, compiled_flops, full_and_no_remat_bytes
 
 _WHY = mz.available()
@@ -260,6 +261,36 @@ def test_fit_against_the_compiled_brute_force(step):
         if gap > 0.02 + 1e-12:
             failures.append((hbm / MiB, plan.saved_tags, f"gap {100 * gap:.2f} points"))
     assert not failures, failures
+
+
+def test_the_readme_figures_of_fit_on_this_step_are_the_sweep_of_its_committed_table(
+        tmp_path):
+    """`benchmarks/maxtext_fit.py --bare-oracle` on a fresh cache, filled from the step's
+    committed compile table (benchmarks/brute_force/maxtext-llama2.json: compiles nothing,
+    about 40 s), gives the README's figures of `fit` on this step: its row of the table of
+    the oracle without figures, and the 6-tag rows of its own table (sizes with gap 0,
+    within 0.5 points, over 2 points, the largest gap)."""
+    why = R.why_not_this_compiler("maxtext-llama2")
+    if why is not None:
+        pytest.skip(why)
+    result = R.sweep("maxtext_fit.py", ["--bare-oracle", "--steps", "maxtext-llama2"],
+                     "maxtext-llama2", tmp_path / "sweep.json")
+    modes = result["steps"]["maxtext-llama2"]["modes"]
+    assert R.rows(R.BARE_HEADER)["maxtext-llama2"] == [
+        "maxtext-llama2", R.cell(modes["oracle"]["summary"]),
+        R.cell(modes["oracle_bare"]["summary"])]
+    lines = R.README.read_text().splitlines()
+    for mode, label in (("memory_analysis", "`memory_analysis()`"),
+                        ("oracle", "compile-failure oracle (simulated)")):
+        row = next(line for line in lines if line.startswith(f"| {label} | 6 |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        rows = modes[mode]["rows"]
+        gaps = [r["gap"] for r in rows if r.get("gap") is not None]
+        within = sum(g <= 0.005 + 1e-12 for g in gaps)
+        assert cells[2:6] == [
+            f"{sum(g <= 1e-12 for g in gaps)} of {len(rows)}",
+            f"{within} ({100 * within / len(rows):.0f}%)",
+            str(sum(g > 0.02 + 1e-12 for g in gaps)), f"{100 * max(gaps):.2f} pt"], (mode, cells)
 
 
 def test_overrides_set_each_remat_key_of_this_maxtext_and_it_takes_them():
