@@ -101,45 +101,55 @@ def _zoo_row(name: str, st: dict) -> list[str]:
             R.cell(st["modes"]["oracle"]["summary"])]
 
 
-def _sharded_row(name: str, st: dict) -> list[str]:
-    """The first three cells of a row of the README's sharded table (the other two are
-    the code before the count per core, on the same tables)."""
+def _modes_row(name: str, st: dict) -> list[str]:
+    """The first three cells of a row of the README's tables by mode alone: step, then the
+    two modes' cells (the sharded table's other two are the code before the count per
+    core, on the same tables)."""
     return [name, R.cell(st["modes"]["memory_analysis"]["summary"]),
             R.cell(st["modes"]["oracle"]["summary"])]
 
 
 # The README's tables of `fit`: (header, which of the tables under it from 0, fit_sweep.py's
-# extra arguments, the steps in the table's order, a row as the sweep gives it).
+# extra arguments, the steps in the table's order, a row as the sweep gives it, whether the
+# table of the oracle without figures holds these steps as swept: not with --spare).
 README_TABLES = {
-    "zoo": (ZOO_HEADER, 0, [], list(zoo.ZOO), _zoo_row),
+    "zoo": (ZOO_HEADER, 0, [], list(zoo.ZOO), _zoo_row, True),
     "foreign": (ZOO_HEADER, 1, ["--steps-module", "tests.cpu.foreign_zoo"],
                 ["linen-gpt2", "eqx-llama", "nnx-parallel", "haiku-free-mixer",
-                 "linen-encdec"], _zoo_row),
+                 "linen-encdec"], _zoo_row, True),
+    "spare": ("| step | memory_analysis | oracle |", 0,
+              ["--steps-module", "tests.cpu.foreign_zoo", "--spare"],
+              ["linen-gpt2", "eqx-llama", "nnx-parallel", "haiku-free-mixer",
+               "linen-encdec"], _modes_row, False),
     "sharded": (SHARDED_HEADER, 0, ["--steps-module", "tests.cpu.sharded_zoo",
-                                    "--host-devices", "8"], SHARDED, _sharded_row),
+                                    "--host-devices", "8"], SHARDED, _modes_row, True),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("which", list(README_TABLES))
 def test_a_readme_table_is_the_sweep_of_the_committed_tables(which, tmp_path):
-    """`python benchmarks/fit_sweep.py --cached-only --bare-oracle` (with the table's
-    arguments) on a fresh cache, filled from the committed tables only, gives the README's
-    table cell by cell, and its steps' rows of the table of the oracle without figures."""
-    header, nth, extra, steps, row_of = README_TABLES[which]
+    """`python benchmarks/fit_sweep.py --cached-only` with the table's arguments (and
+    ``--bare-oracle`` where the table of the oracle without figures holds its steps) on a
+    fresh cache, filled from the committed tables only, gives the README's table cell by
+    cell, and those steps' rows of the table of the oracle without figures."""
+    header, nth, extra, steps, row_of, bare = README_TABLES[which]
     rows = R.rows(header, nth)
     assert list(rows) == steps, list(rows)
-    tables = _tables()
+    tables, suffix = _tables(), "+spare" if "--spare" in extra else ""
     for name in steps:
-        assert name in tables, f"benchmarks/brute_force/{name}.json is missing"
-        _skip_unless_same_compiler(name)
-    result = R.sweep("fit_sweep.py", ["--cached-only", "--bare-oracle", *extra, "--steps",
-                                      ",".join(steps)], steps[0], tmp_path / "sweep.json")
+        assert name + suffix in tables, f"benchmarks/brute_force/{name}{suffix}.json is missing"
+        _skip_unless_same_compiler(name + suffix)
+    result = R.sweep("fit_sweep.py", ["--cached-only", *(["--bare-oracle"] if bare else []),
+                                      *extra, "--steps", ",".join(steps)], steps[0] + suffix,
+                     tmp_path / "sweep.json")
     for name, cells in rows.items():
         got = row_of(name, result["steps"][name])
         assert got == cells[:len(got)], (name, got, cells)
-    bare = R.rows(R.BARE_HEADER)  # the oracle without figures, every step in one table
+    if not bare:
+        return
+    bare_rows = R.rows(R.BARE_HEADER)  # the oracle without figures, every step in one table
     for name in steps:
         modes = result["steps"][name]["modes"]
         got = [name, R.cell(modes["oracle"]["summary"]), R.cell(modes["oracle_bare"]["summary"])]
-        assert got == bare[name], (name, got, bare[name])
+        assert got == bare_rows[name], (name, got, bare_rows[name])
