@@ -81,7 +81,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         step, more = MF.sweep_real_step(name, spec, graph, "axlearn", az.AXLEARN_COMMIT[:8],
                                         args.out / "axlearn_brute", max_tags, n_sizes,
                                         args.max_compiles, args.brute_only, say,
-                                        args.spare, args.bare_oracle, args.publish)
+                                        args.spare, args.bare_oracle, args.publish,
+                                        not args.no_tables)
         lines += more
         if step is not None:
             result["steps"][name] = step

@@ -9,8 +9,10 @@ were not looked at while tuning, and are reported apart.
 For each step:
 
 1. the brute force: every subset of (at most) `MAX_TAGS` useful tags (4 for the unrolled step), and no remat,
-   compiled on XLA:CPU once and cached by save set in ``OUT/fit_brute/<step>.json`` (the
-   compile is deterministic; delete the file to recompile). The brute force is compiled
+   compiled on XLA:CPU once and cached by save set in ``OUT/fit_brute/<step>.json``, a
+   cache that starts from the step's committed table (`TABLES`) where the same compiler
+   made it (the compile is deterministic; delete the file and pass ``--no-tables`` to
+   recompile). The brute force is compiled
    with ``--xla_backend_optimization_level=0`` (LLVM's work only: buffer assignment and
    ``memory_analysis()`` came out the same on the two sets of gqa4-adamw checked);
 2. a sweep of HBM sizes every 1% of the range from the smallest compiled step to 5% above
@@ -116,7 +118,8 @@ def _saved_of(policy: Any, tags: Sequence[str]) -> tuple[str, ...] | None:
 TABLES = C.REPO / "benchmarks" / "brute_force"
 """The compiled brute force, committed: per step the file `Brute.fill` writes (every save
 set's memory and cost figures), with the JAX that compiled it (`compiled_with`). A step's
-cache in ``OUT`` starts from its table where this JAX and jaxlib are that one, so that
+cache in ``OUT`` starts from its table where this JAX, jaxlib, backend and XLA flags are
+those (``--no-tables``: it does not), so that
 ``--cached-only`` reproduces the figures on a fresh clone, where compiling them takes
 hours (measured on 2 shared cores: gqa4-adamw's 257 sets in 13 minutes,
 rope-gqa2-bf16-fsdp8's 129 over 8 devices in about 20). XLA:CPU compiles
@@ -145,9 +148,10 @@ def _same_compiler(a: dict[str, str], b: dict[str, str]) -> bool:
 class Brute:
     """The cached compiles of one step, by save set (`tags` order): the cache in ``OUT``,
     and what the committed table (`TABLES`) holds beyond it where the same compiler made
-    it."""
+    it (unless `tables` is False)."""
 
-    def __init__(self, spec: Any, tags: Sequence[str], path: Path) -> None:
+    def __init__(self, spec: Any, tags: Sequence[str], path: Path, tables: bool = True
+                 ) -> None:
         self.spec, self.tags, self.path = spec, tuple(tags), path
         self.table: dict[str, dict[str, float]] = {}
         self.file_tags = list(self.tags)
@@ -157,7 +161,7 @@ class Brute:
         if data is not None:
             self.table, self.file_tags = data["sets"], list(data["tags"])
             self.compiled_with = data.get("compiled_with")
-        seed = self._read(TABLES / path.name)
+        seed = self._read(TABLES / path.name) if tables else None
         if seed is not None and seed.get("compiled_with") is not None \
                 and (data is None or list(seed["tags"]) == self.file_tags):
             here = self.compiled_with or compiled_with()
@@ -420,6 +424,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p = C.parser(__doc__.splitlines()[0], NAME)
     p.add_argument("--brute-only", action="store_true", help="fill the cache and stop")
     p.add_argument("--publish", action="store_true", help=PUBLISH_HELP)
+    p.add_argument("--no-tables", action="store_true", help=NO_TABLES_HELP)
     p.add_argument("--cached-only", action="store_true",
                    help="compile nothing: sweep each step over the leading tags its cache "
                         "covers completely (a brute force cut short)")
@@ -475,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         path = args.out / "fit_brute" / f"{name}.json"
         if args.spare:
             pool, path = with_spare(name, graph, pool), path.with_name(f"{name}+spare.json")
-        brute = Brute(spec, pool, path)
+        brute = Brute(spec, pool, path, not args.no_tables)
         say(f"{name} ({spec.split}): tags {', '.join(pool)}"
             + (f"; {brute.seeded} compiled sets from its committed table" if brute.seeded
                else ""))
@@ -486,7 +491,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 continue
             if k < len(pool):
                 pool = pool[:k]
-                brute = Brute(spec, pool, brute.path)
+                brute = Brute(spec, pool, brute.path, not args.no_tables)
                 say(f"{name}: the cache covers the first {k} tags completely; sweeping those")
             seconds = 0.0
         else:
@@ -526,6 +531,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 PUBLISH_HELP = ("write each step's cache, once filled, as its committed table "
                 "(benchmarks/brute_force/<step>.json, with the JAX that compiled it), from "
                 "which a fresh clone's cache starts")
+
+
+NO_TABLES_HELP = ("start no cache from the committed tables: compile what the cache in "
+                  "--out lacks (to check a table against this compiler)")
 
 
 def modes(bare: bool) -> tuple[str, ...]:

@@ -75,6 +75,7 @@ def real_step_parser(description: str, name: str) -> Any:
                    help="XLA:CPU makes N devices, for the zoo module's SHARDED steps (8)")
     p.add_argument("--bare-oracle", action="store_true", help=FS.BARE_HELP)
     p.add_argument("--publish", action="store_true", help=FS.PUBLISH_HELP)
+    p.add_argument("--no-tables", action="store_true", help=FS.NO_TABLES_HELP)
     return p
 
 
@@ -109,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         step, more = sweep_real_step(name, spec, graph, "MaxText", mz.MAXTEXT_VERSION,
                                      args.out / "maxtext_brute", max_tags, n_sizes,
                                      args.max_compiles, args.brute_only, say, args.spare,
-                                     args.bare_oracle, args.publish)
+                                     args.bare_oracle, args.publish, not args.no_tables)
         lines += more
         if step is not None:
             result["steps"][name] = step
@@ -119,7 +120,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def sweep_real_step(name: str, spec: Any, graph: Any, host: str, version: str,
                     brute_dir: Path, max_tags: int, n_sizes: int, max_compiles: int | None,
                     brute_only: bool, say: Any, spare: bool = False, bare: bool = False,
-                    publish: bool = False) -> tuple[dict[str, Any] | None, list[str]]:
+                    publish: bool = False, tables: bool = True
+                    ) -> tuple[dict[str, Any] | None, list[str]]:
     """One step of a host library's real code (MaxText's, axlearn's; `graph` its
     `step_graph`): the brute force over its `max_tags` most useful tags, cached in
     `brute_dir`, then `fit` at `n_sizes` + 1 sizes in both modes (fit_sweep's sweep; with
@@ -127,7 +129,8 @@ def sweep_real_step(name: str, spec: Any, graph: Any, host: str, version: str,
     lines. With `spare`, the brute force also covers every tag outside the pool
     (``<step>+spare.json``; the pool must be whole) and `fit` runs without ``candidates``,
     so that it can compile those tags (`_Search.spare`). With `publish`, the filled cache
-    becomes the step's committed table (``--publish``, `fit_sweep.Brute.publish`)."""
+    becomes the step's committed table (``--publish``, `fit_sweep.Brute.publish`); without
+    `tables` the cache does not start from one (``--no-tables``)."""
     import fit_sweep as FS  # noqa: PLC0415
     import zoo  # noqa: PLC0415
 
@@ -139,7 +142,7 @@ def sweep_real_step(name: str, spec: Any, graph: Any, host: str, version: str,
     if spare:
         pool, path = FS.with_spare(name, graph, pool), brute_dir / f"{name}+spare.json"
     say(f"{name}: {host} emits {', '.join(graph.tags)}; brute force over {', '.join(pool)}")
-    brute = FS.Brute(spec, pool, path)
+    brute = FS.Brute(spec, pool, path, tables)
     if brute.seeded:
         say(f"{name}: {brute.seeded} compiled sets from its committed table")
     seconds = brute.fill(say)

@@ -208,3 +208,27 @@ def test_trn2_layout_counts_each_tag_as_xla_partitions_it():
     assert got["shards"] == 8
     assert got["graph"] == got["xla"]
     assert all(v > 0 for k, v in got["xla"].items() if "proj" in k or "linear1" in k), got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,extra", [
+    ("axlearn-fuji", []), ("axlearn-fuji-flash", []), ("axlearn-fuji-norope", []),
+    ("axlearn-fuji-moe", []), ("axlearn-fuji-flash-fsdp8", ["--host-devices", "8"]),
+    ("axlearn-fuji-trn2-tp4", ["--host-devices", "8"])])
+def test_the_readme_figures_of_fit_are_the_sweep_of_the_committed_table(name, extra,
+                                                                          tmp_path):
+    """`benchmarks/axlearn_fit.py --bare-oracle` on a fresh cache, filled from the step's
+    committed compile table (benchmarks/brute_force/<step>.json: it compiles nothing),
+    gives the step's row of the README's table of the oracle without figures."""
+    import readme_tables as R
+
+    if not (R.TABLES / f"{name}.json").exists():
+        pytest.skip(f"benchmarks/brute_force/{name}.json is not committed yet")
+    why = R.why_not_this_compiler(name)
+    if why is not None:
+        pytest.skip(why)
+    result = R.sweep("axlearn_fit.py", ["--bare-oracle", *extra, "--steps", name], name,
+                     tmp_path / "sweep.json")
+    modes = result["steps"][name]["modes"]
+    assert R.rows(R.BARE_HEADER)[name] == [
+        name, R.cell(modes["oracle"]["summary"]), R.cell(modes["oracle_bare"]["summary"])]
