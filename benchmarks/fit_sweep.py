@@ -118,8 +118,8 @@ def _saved_of(policy: Any, tags: Sequence[str]) -> tuple[str, ...] | None:
 TABLES = C.REPO / "benchmarks" / "brute_force"
 """The compiled brute force, committed: per step the file `Brute.fill` writes (every save
 set's memory and cost figures), with the JAX that compiled it (`compiled_with`). A step's
-cache in ``OUT`` starts from its table where this JAX, jaxlib, backend and XLA flags are
-those (``--no-tables``: it does not), so that
+cache in ``OUT`` starts from its table where this JAX, jaxlib, backend, XLA flags and
+libraries (`LIBRARIES`) are those (``--no-tables``: it does not), so that
 ``--cached-only`` reproduces the figures on a fresh clone, where compiling them takes
 hours (measured on 2 shared cores: gqa4-adamw's 257 sets in 13 minutes,
 rope-gqa2-bf16-fsdp8's 129 over 8 devices in about 20). XLA:CPU compiles
@@ -128,20 +128,36 @@ table compiled on another (tests/cpu/data/gqa4-adamw-compiles.json). ``--publish
 the tables."""
 
 
-def compiled_with() -> dict[str, str]:
-    """What a table's figures depend on: JAX and jaxlib, the backend, and XLA's flags
-    (`_common.prepare_compiles` and ``--host-devices`` set them)."""
+LIBRARIES = ("optax", "flax", "equinox", "maxtext", "axlearn")
+"""The libraries the steps are written with (those installed): a table's programs are
+theirs too."""
+
+
+def compiled_with() -> dict[str, Any]:
+    """What a table's figures depend on: JAX and jaxlib, the backend, XLA's flags
+    (`_common.prepare_compiles` and ``--host-devices`` set them), and the versions of the
+    `LIBRARIES` installed."""
+    from importlib import metadata  # noqa: PLC0415
+
     import jax  # noqa: PLC0415
     import jaxlib  # noqa: PLC0415
 
+    libraries = {}
+    for name in LIBRARIES:
+        try:
+            libraries[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
     return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
-            "backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", "")}
+            "backend": jax.default_backend(), "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "libraries": libraries}
 
 
-def _same_compiler(a: dict[str, str], b: dict[str, str]) -> bool:
-    """Whether two tables' figures come from the same compiler (JAX, jaxlib, backend, and
-    XLA's flags as a set: their order does not matter)."""
-    return all(a.get(k) == b.get(k) for k in ("jax", "jaxlib", "backend")) \
+def _same_compiler(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two tables' figures come from the same compiler and programs (JAX, jaxlib,
+    backend, the libraries' versions, and XLA's flags as a set: their order does not
+    matter)."""
+    return all(a.get(k) == b.get(k) for k in ("jax", "jaxlib", "backend", "libraries")) \
         and set(a.get("xla_flags", "").split()) == set(b.get("xla_flags", "").split())
 
 
@@ -155,7 +171,7 @@ class Brute:
         self.spec, self.tags, self.path = spec, tuple(tags), path
         self.table: dict[str, dict[str, float]] = {}
         self.file_tags = list(self.tags)
-        self.compiled_with: dict[str, str] | None = None
+        self.compiled_with: dict[str, Any] | None = None
         self.seeded = 0  # sets taken from the committed table
         data = self._read(path)
         if data is not None:
@@ -234,8 +250,9 @@ class Brute:
 
     def publish(self) -> str:
         """Write the cache as the step's committed table (`TABLES`); one line saying what.
-        A cache written before caches named their compiler is taken to be this one's."""
-        if self.compiled_with is None:
+        A cache written before caches named their compiler, or before they named the
+        libraries, is taken to be this environment's."""
+        if self.compiled_with is None or "libraries" not in self.compiled_with:
             self.compiled_with = compiled_with()
         TABLES.mkdir(parents=True, exist_ok=True)
         self._write(TABLES / self.path.name)

@@ -48,15 +48,17 @@ def table(name: str) -> dict[str, Any]:
 
 
 def why_not_this_compiler(name: str) -> str | None:
-    """Why the running JAX cannot use `name`'s table (None: it can): another JAX or jaxlib
-    may lay memory out otherwise, and the sweep would compile the brute force again."""
-    import jax
-    import jaxlib
+    """Why this environment cannot use `name`'s table (None: it can): another JAX, jaxlib
+    or version of the step's libraries may give other programs or lay memory out otherwise,
+    and the sweep would compile the brute force again (fit_sweep.compiled_with)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import fit_sweep
 
-    made = table(name)["compiled_with"]
-    if (made["jax"], made["jaxlib"]) != (jax.__version__, jaxlib.__version__):
-        return (f"the committed table of {name} was compiled with JAX {made['jax']} / jaxlib "
-                f"{made['jaxlib']}; this is {jax.__version__} / {jaxlib.__version__}")
+    made, here = table(name)["compiled_with"], fit_sweep.compiled_with()
+    differ = [f"{k} {made.get(k)} here {here.get(k)}" for k in ("jax", "jaxlib", "libraries")
+              if made.get(k) != here.get(k)]
+    if differ:
+        return f"the committed table of {name} was compiled with " + "; ".join(differ)
     return None
 
 

@@ -55,7 +55,7 @@ def test_every_zoo_step_has_a_table_over_its_pool():
         n = len(t["tags"])
         assert len(t["sets"]) == 2 ** n + 1, (name, len(t["sets"]))
         assert FS.NO_REMAT in t["sets"] and "" in t["sets"]
-        assert set(t["compiled_with"]) >= {"jax", "jaxlib", "backend", "xla_flags"}
+        assert set(t["compiled_with"]) >= {"jax", "jaxlib", "backend", "xla_flags", "libraries"}
 
 
 @pytest.mark.slow
