@@ -75,3 +75,23 @@ def sweep(script: str, args: list[str], name: str, out: Path) -> dict[str, Any]:
                          cwd=ROOT, capture_output=True, text=True, timeout=1200, check=False)
     assert run.returncode == 0, run.stderr[-2000:]
     return json.loads(out.read_text())
+
+
+def swept_bare_row(script: str, name: str, extra: list[str], folder: Path) -> dict[str, Any]:
+    """Sweep one host step from its committed table (`script`: maxtext_fit.py or
+    axlearn_fit.py, with ``--bare-oracle`` and `extra`), skipping (pytest) where the table
+    is not committed or this environment cannot use it; assert its row of the README's
+    table of the oracle without figures; its modes (each mode's summary and rows)."""
+    import pytest
+
+    if not (TABLES / f"{name}.json").exists():
+        pytest.skip(f"benchmarks/brute_force/{name}.json is not committed yet")
+    why = why_not_this_compiler(name)
+    if why is not None:
+        pytest.skip(why)
+    result = sweep(script, ["--bare-oracle", *extra, "--steps", name], name,
+                   folder / "sweep.json")
+    modes = result["steps"][name]["modes"]
+    assert rows(BARE_HEADER)[name] == [
+        name, cell(modes["oracle"]["summary"]), cell(modes["oracle_bare"]["summary"])]
+    return modes

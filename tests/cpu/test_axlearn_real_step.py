@@ -222,13 +222,4 @@ def test_the_readme_figures_of_fit_are_the_sweep_of_the_committed_table(name, ex
     gives the step's row of the README's table of the oracle without figures."""
     import readme_tables as R
 
-    if not (R.TABLES / f"{name}.json").exists():
-        pytest.skip(f"benchmarks/brute_force/{name}.json is not committed yet")
-    why = R.why_not_this_compiler(name)
-    if why is not None:
-        pytest.skip(why)
-    result = R.sweep("axlearn_fit.py", ["--bare-oracle", *extra, "--steps", name], name,
-                     tmp_path / "sweep.json")
-    modes = result["steps"][name]["modes"]
-    assert R.rows(R.BARE_HEADER)[name] == [
-        name, R.cell(modes["oracle"]["summary"]), R.cell(modes["oracle_bare"]["summary"])]
+    R.swept_bare_row("axlearn_fit.py", name, extra, tmp_path)

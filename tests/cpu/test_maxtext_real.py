@@ -271,19 +271,11 @@ def test_the_readme_figures_of_fit_are_the_sweep_of_the_committed_table(name, ex
                                                                         tmp_path):
     """`benchmarks/maxtext_fit.py --bare-oracle` on a fresh cache, filled from the step's
     committed compile table (benchmarks/brute_force/<step>.json: it compiles nothing, 40
-    to 75 s on one device; the 8-device steps are marked slow), gives the README's figures of `fit` on the step: its row of the table of the
-    oracle without figures, and for llama2 the 6-tag rows of its own table (sizes with gap
-    0, within 0.5 points, over 2 points, the largest gap)."""
-    if not (R.TABLES / f"{name}.json").exists():
-        pytest.skip(f"benchmarks/brute_force/{name}.json is not committed yet")
-    why = R.why_not_this_compiler(name)
-    if why is not None:
-        pytest.skip(why)
-    result = R.sweep("maxtext_fit.py", ["--bare-oracle", *extra, "--steps", name], name,
-                     tmp_path / "sweep.json")
-    modes = result["steps"][name]["modes"]
-    assert R.rows(R.BARE_HEADER)[name] == [
-        name, R.cell(modes["oracle"]["summary"]), R.cell(modes["oracle_bare"]["summary"])]
+    to 75 s on one device; the 8-device steps are marked slow), gives the README's figures
+    of `fit` on the step: its row of the table of the oracle without figures, and for
+    llama2 the 6-tag rows of its own table (sizes with gap 0, within 0.5 points, over 2
+    points, the largest gap)."""
+    modes = R.swept_bare_row("maxtext_fit.py", name, extra, tmp_path)
     if name != "maxtext-llama2":
         return
     lines = R.README.read_text().splitlines()
