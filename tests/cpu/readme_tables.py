@@ -12,8 +12,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import fit_sweep as FS  # noqa: E402
+
 README = ROOT / "README.md"
-TABLES = ROOT / "benchmarks" / "brute_force"
+TABLES = FS.TABLES
 BARE_HEADER = "| step | oracle (figures) | oracle_bare |"
 """The table of the oracle without figures beside the oracle with them, every step swept."""
 
@@ -51,10 +54,7 @@ def why_not_this_compiler(name: str) -> str | None:
     """Why this environment cannot use `name`'s table (None: it can): another JAX, jaxlib
     or version of the step's libraries may give other programs or lay memory out otherwise,
     and the sweep would compile the brute force again (fit_sweep.compiled_with)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import fit_sweep
-
-    made, here = table(name)["compiled_with"], fit_sweep.compiled_with()
+    made, here = table(name)["compiled_with"], FS.compiled_with()
     differ = [f"{k} {made.get(k)} here {here.get(k)}" for k in ("jax", "jaxlib", "libraries")
               if made.get(k) != here.get(k)]
     if differ:

@@ -35,7 +35,7 @@ ZOO_HEADER = "| step | split | tags | no remat / full | memory_analysis | oracle
 
 
 def _tables() -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted(FS.TABLES.glob("*.json"))}
+    return {p.stem: R.table(p.stem) for p in sorted(R.TABLES.glob("*.json"))}
 
 
 def _skip_unless_same_compiler(name: str) -> None:
