@@ -223,3 +223,31 @@ def test_the_readme_figures_of_fit_are_the_sweep_of_the_committed_table(name, ex
     import readme_tables as R
 
     R.swept_bare_row("axlearn_fit.py", name, extra, tmp_path)
+
+
+@pytest.mark.slow
+def test_the_readme_figures_of_fit_with_the_tags_outside_the_pool_are_the_sweep(tmp_path):
+    """`benchmarks/axlearn_fit.py --spare --steps axlearn-fuji-moe` on a fresh cache, filled
+    from the committed table over the pool and the two tags outside it, gives the README's
+    rows of that sweep (the rows marked "before" are the code before, on the same table)."""
+    import readme_tables as R
+
+    name = "axlearn-fuji-moe+spare"
+    if not (R.TABLES / f"{name}.json").exists():
+        pytest.skip(f"benchmarks/brute_force/{name}.json is not committed yet")
+    why = R.why_not_this_compiler(name)
+    if why is not None:
+        pytest.skip(why)
+    result = R.sweep("axlearn_fit.py", ["--spare", "--steps", "axlearn-fuji-moe"], name,
+                     tmp_path / "sweep.json")
+    modes = result["steps"]["axlearn-fuji-moe"]["modes"]
+    got = R.rows("| mode | gap 0 | <= 0.5 pt | > 2 pt | max gap | within cap | refusals |")
+    for mode, label in (("memory_analysis", "`memory_analysis()`"), ("oracle", "oracle")):
+        rows, s = modes[mode]["rows"], modes[mode]["summary"]
+        gaps = [r["gap"] for r in rows if r.get("gap") is not None]
+        top = max(gaps)
+        assert got[label][1:] == [
+            str(sum(g <= 1e-12 for g in gaps)), str(sum(g <= 0.005 + 1e-12 for g in gaps)),
+            str(sum(g > 0.02 + 1e-12 for g in gaps)),
+            "0" if top == 0 else f"{100 * top:.2f} pt",
+            f"{100 * s['share_within_cap']:.0f}%", str(s["refusals_while_some_fits"])], label
