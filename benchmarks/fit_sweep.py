@@ -228,6 +228,9 @@ class Brute:
         make_step, args = self.spec.make_step(), self.spec.abstract_args()
         t0 = time.perf_counter()
         todo = [s for s in self.sets() if _key(s) not in self.table]
+        if todo:
+            self.compiled_with = self.compiled_with or compiled_with()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         for i, saved in enumerate(todo):
             policy = (jax.checkpoint_policies.everything_saveable if saved is None
                       else save_only_these_names(*saved))
@@ -236,8 +239,6 @@ class Brute:
             row["flops"] = C.compiled_flops(c)
             row["transcendentals"] = C.compiled_transcendentals(c)
             self.table[_key(saved)] = row
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.compiled_with = self.compiled_with or compiled_with()
             self._write(self.path)
             say(f"  {self.spec.name}: compiled {i + 1}/{len(todo)} "
                 f"({_key(saved) or 'nothing'}): {row['bytes'] / MiB:.2f} MiB")

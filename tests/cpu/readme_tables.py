@@ -62,6 +62,18 @@ def why_not_this_compiler(name: str) -> str | None:
     return None
 
 
+def require(name: str) -> None:
+    """Skip the calling test (pytest) where `name`'s table is not committed or this
+    environment cannot use it (`why_not_this_compiler`)."""
+    import pytest
+
+    if not (TABLES / f"{name}.json").exists():
+        pytest.skip(f"benchmarks/brute_force/{name}.json is not committed yet")
+    why = why_not_this_compiler(name)
+    if why is not None:
+        pytest.skip(why)
+
+
 def sweep(script: str, args: list[str], name: str, out: Path) -> dict[str, Any]:
     """Run `benchmarks/<script>` with `args` (and ``--quiet --out``/``--json`` in `out`'s
     folder) in a process of its own, XLA's flags those `name`'s table was compiled with
@@ -82,13 +94,7 @@ def swept_bare_row(script: str, name: str, extra: list[str], folder: Path) -> di
     axlearn_fit.py, with ``--bare-oracle`` and `extra`), skipping (pytest) where the table
     is not committed or this environment cannot use it; assert its row of the README's
     table of the oracle without figures; its modes (each mode's summary and rows)."""
-    import pytest
-
-    if not (TABLES / f"{name}.json").exists():
-        pytest.skip(f"benchmarks/brute_force/{name}.json is not committed yet")
-    why = why_not_this_compiler(name)
-    if why is not None:
-        pytest.skip(why)
+    require(name)
     result = sweep(script, ["--bare-oracle", *extra, "--steps", name], name,
                    folder / "sweep.json")
     modes = result["steps"][name]["modes"]

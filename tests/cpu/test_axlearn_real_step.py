@@ -233,11 +233,7 @@ def test_the_readme_figures_of_fit_with_the_tags_outside_the_pool_are_the_sweep(
     import readme_tables as R
 
     name = "axlearn-fuji-moe+spare"
-    if not (R.TABLES / f"{name}.json").exists():
-        pytest.skip(f"benchmarks/brute_force/{name}.json is not committed yet")
-    why = R.why_not_this_compiler(name)
-    if why is not None:
-        pytest.skip(why)
+    R.require(name)
     result = R.sweep("axlearn_fit.py", ["--spare", "--steps", "axlearn-fuji-moe"], name,
                      tmp_path / "sweep.json")
     modes = result["steps"]["axlearn-fuji-moe"]["modes"]

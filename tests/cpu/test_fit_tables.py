@@ -34,24 +34,18 @@ import zoo  # noqa: E402
 ZOO_HEADER = "| step | split | tags | no remat / full | memory_analysis | oracle |"
 
 
-def _tables() -> dict[str, dict]:
-    return {p.stem: R.table(p.stem) for p in sorted(R.TABLES.glob("*.json"))}
-
-
-def _skip_unless_same_compiler(name: str) -> None:
-    why = R.why_not_this_compiler(name)
-    if why is not None:
-        pytest.skip(why)
+def _committed(name: str) -> dict:
+    """`name`'s table, which must be committed (a zoo step's README table needs it)."""
+    assert (R.TABLES / f"{name}.json").exists(), f"benchmarks/brute_force/{name}.json is missing"
+    return R.table(name)
 
 
 def test_every_zoo_step_has_a_table_over_its_pool():
     """Each one-device zoo step has its table, covering every subset of its tags and no
     remat, in the order the sweep keys them: the README's zoo table can be swept on a
     fresh clone."""
-    tables = _tables()
     for name in zoo.ZOO:
-        assert name in tables, f"benchmarks/brute_force/{name}.json is missing"
-        t = tables[name]
+        t = _committed(name)
         n = len(t["tags"])
         assert len(t["sets"]) == 2 ** n + 1, (name, len(t["sets"]))
         assert FS.NO_REMAT in t["sets"] and "" in t["sets"]
@@ -65,8 +59,8 @@ def test_a_table_is_what_xla_compiles_here(name, saved):
     """A set's row of the table equals XLA's figures for it compiled now, in a process of
     its own with the table's XLA flags (the compile is the expected value; a table compiled
     by another XLA fails here)."""
-    table = _tables()[name]
-    _skip_unless_same_compiler(name)
+    table = _committed(name)
+    R.require(name)
     code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'benchmarks')!r}, "
             f"{str(Path(__file__).resolve().parent)!r}]\n"
             "import json, zoo, _common as C\n"
@@ -136,10 +130,10 @@ def test_a_readme_table_is_the_sweep_of_the_committed_tables(which, tmp_path):
     header, nth, extra, steps, row_of, bare = README_TABLES[which]
     rows = R.rows(header, nth)
     assert list(rows) == steps, list(rows)
-    tables, suffix = _tables(), "+spare" if "--spare" in extra else ""
+    suffix = "+spare" if "--spare" in extra else ""
     for name in steps:
-        assert name + suffix in tables, f"benchmarks/brute_force/{name}{suffix}.json is missing"
-        _skip_unless_same_compiler(name + suffix)
+        _committed(name + suffix)
+        R.require(name + suffix)
     result = R.sweep("fit_sweep.py", ["--cached-only", *(["--bare-oracle"] if bare else []),
                                       *extra, "--steps", ",".join(steps)], steps[0] + suffix,
                      tmp_path / "sweep.json")
