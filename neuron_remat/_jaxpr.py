@@ -391,6 +391,14 @@ def eqn_flops(eqn: Any) -> int:
         return 2 * int(math.prod(eqn.outvars[0].aval.shape)) * int(k)
     if name in ("ragged_dot_general", "ragged_dot"):
         return _ragged_dot_flops(eqn)
+    if name == "conv_general_dilated":
+        return _conv_flops(eqn)
+    if name in _WINDOW_REDUCE:  # (window - 1) combines per output element
+        window = math.prod(eqn.params["window_dimensions"])
+        return (window - 1) * int(math.prod(eqn.outvars[0].aval.shape))
+    if name == "select_and_scatter_add":  # a max pool's gradient: select, then add
+        source = int(math.prod(eqn.invars[0].aval.shape))
+        return source * math.prod(eqn.params["window_dimensions"])
     if name == "logistic":
         return 3 * int(math.prod(eqn.outvars[0].aval.shape))
     if name == "gather" and "FILL_OR_DROP" in str(eqn.params.get("mode", "")):
@@ -448,6 +456,46 @@ def _folded(eqn: Any, name: str) -> bool:
                 and other.aval.shape == out.shape and other.aval.dtype == out.dtype):
             return True
     return False
+
+
+_WINDOW_REDUCE = {"reduce_window_sum", "reduce_window_max", "reduce_window_min"}
+
+
+def _taps(size_in: int, size_out: int, kernel: int, stride: int, pad_low: int,
+          lhs_dilation: int, rhs_dilation: int) -> int:
+    """Along one spatial dimension of a convolution, the (output, kernel tap) pairs that
+    read a real input element: not padding, not a hole of the input's dilation (what
+    XLA's cost analysis counts; a SAME convolution's border reads padding)."""
+    out = np.arange(size_out)
+    total = 0
+    for k in range(kernel):
+        at = out * stride - pad_low + k * rhs_dilation  # in the dilated, padded input
+        real = (at >= 0) & (at % lhs_dilation == 0) & (at // lhs_dilation < size_in)
+        total += int(np.count_nonzero(real))
+    return total
+
+
+def _conv_flops(eqn: Any) -> int:
+    """2 x the multiply-adds of a ``conv_general_dilated`` that read real input: per
+    output feature, each input feature of its group, each batch row of its batch group,
+    and each (output position, kernel tap) pair that lands on the input (`_taps`, per
+    spatial dimension). Its transposes in a backward pass (the input's gradient, with the
+    input dilated by the stride; the kernel's, grouped over the batch) count the same."""
+    p = eqn.params
+    lhs, rhs = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
+    out = eqn.outvars[0].aval.shape
+    dn = p["dimension_numbers"]
+    lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+    n = len(lhs_spec) - 2
+    lhs_dil = p.get("lhs_dilation") or (1,) * n
+    rhs_dil = p.get("rhs_dilation") or (1,) * n
+    taps = 1
+    for i in range(n):
+        taps *= _taps(lhs[lhs_spec[2 + i]], out[out_spec[2 + i]], rhs[rhs_spec[2 + i]],
+                      p["window_strides"][i], p["padding"][i][0], lhs_dil[i], rhs_dil[i])
+    fma = (lhs[lhs_spec[1]] // p["feature_group_count"]) * out[out_spec[1]] * (
+        lhs[lhs_spec[0]] // p["batch_group_count"]) * taps
+    return 2 * int(fma)
 
 
 def _ragged_dot_flops(eqn: Any) -> int:

@@ -149,3 +149,94 @@ def test_simplified_work_is_counted_as_xla_counts_it(edge):
                               p, x)
         assert fp.evaluate(saved)[1] == xla - base, (edge, saved)
 
+
+
+# --------------------------------------------------------------------------------------
+# Convolutions and pooling: a multiply-add per (output, kernel tap) that reads the input,
+# not one FLOP per output element.
+# --------------------------------------------------------------------------------------
+
+_NHWC = ("NHWC", "HWIO", "NHWC")
+_CONVS = {  # (input, kernel, conv_general_dilated's keywords)
+    "same": ((2, 12, 12, 8), (3, 3, 8, 16), dict(window_strides=(1, 1), padding="SAME")),
+    "strided": ((2, 13, 13, 8), (3, 3, 8, 8), dict(window_strides=(2, 2), padding="VALID")),
+    "dilated": ((2, 12, 12, 8), (3, 3, 8, 8),
+                dict(window_strides=(1, 1), padding="SAME", rhs_dilation=(2, 2))),
+    "depthwise": ((2, 12, 12, 8), (7, 7, 1, 8),
+                  dict(window_strides=(1, 1), padding="SAME", feature_group_count=8)),
+    "grouped-strided": ((2, 12, 12, 8), (3, 3, 4, 8),
+                        dict(window_strides=(2, 2), padding=((1, 0), (0, 1)),
+                             feature_group_count=2)),
+}
+
+
+def _conv(case):
+    xs, ks, kw = _CONVS[case]
+    return (lambda x, w: jax.lax.conv_general_dilated(x, w, dimension_numbers=_NHWC, **kw),
+            jax.ShapeDtypeStruct(xs, jnp.float32), jax.ShapeDtypeStruct(ks, jnp.float32))
+
+
+def _xla_flops(fn, *args) -> float:
+    cost = jax.jit(fn).lower(*args).compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
+
+
+@pytest.mark.parametrize("case", sorted(_CONVS))
+def test_each_convolution_of_a_layer_and_its_gradient_counts_as_xla_counts_it(case):
+    """The forward convolution and the convolutions autodiff makes of it (the input's
+    gradient: the output gradient, dilated by the stride, against the flipped kernel; the
+    kernel's: input against output gradient), each compiled alone. The kernel's gradient of
+    a grouped convolution groups the batch, which XLA:CPU may expand to a dense convolution
+    over every group (it does for the depthwise one, as it does a ragged dot): the trace
+    counts the grouped work, the same as the forward's, as a backend with grouped
+    convolutions does it."""
+    from neuron_remat._jaxpr import eqn_flops
+
+    conv, x, w = _conv(case)
+    grad = jax.make_jaxpr(jax.grad(lambda x, w: conv(x, w).sum(), argnums=(0, 1)))(x, w)
+    eqns = [conv_eqn for conv_eqn in grad.jaxpr.eqns
+            if str(conv_eqn.primitive) == "conv_general_dilated"]
+    fwd = jax.make_jaxpr(conv)(x, w).jaxpr.eqns[0]
+    grouped = [e for e in eqns if e.params["batch_group_count"] > 1]
+    assert len(eqns) >= 2 and len(grouped) == ("group" in case or case == "depthwise")
+    for eqn in [fwd, *eqns]:
+        args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+        xla = _xla_flops(lambda a, b, e=eqn: jax.lax.conv_general_dilated_p.bind(
+            a, b, **e.params), *args)
+        if eqn.params["batch_group_count"] > 1:
+            assert xla >= eqn_flops(eqn) == eqn_flops(fwd), case
+        else:
+            assert eqn_flops(eqn) == xla, (case, eqn.params)
+
+
+def _conv_block(depthwise):
+    """A ConvNeXt-like block (depthwise or dense 3x3 conv, pointwise MLP, 2x2 average
+    of a max pool added back), its outputs tagged."""
+    groups = 8 if depthwise else 1
+
+    def layer(x, p):
+        y = cn(jax.lax.conv_general_dilated(x, p["k"], (1, 1), "SAME",
+                                            dimension_numbers=_NHWC,
+                                            feature_group_count=groups), "conv")
+        pooled = jax.lax.reduce_window(y, -jnp.inf, jax.lax.max, (1, 3, 3, 1),
+                                       (1, 1, 1, 1), "SAME")
+        h = cn(jax.nn.gelu(pooled @ p["w1"]), "hidden")
+        return x + jnp.tanh(h @ p["w2"])
+    return layer, {"k": jnp.ones((3, 3, 8 // groups, 8)) * 0.05,
+                   "w1": jnp.ones((8, 32)) * 0.05, "w2": jnp.ones((32, 8)) * 0.05}
+
+
+@pytest.mark.parametrize("depthwise", [False, True])
+def test_a_conv_blocks_recompute_is_xlas(depthwise):
+    """A scanned conv block's recompute FLOPs (a policy's step less no remat's) against
+    XLA's. Before the count, a convolution was one FLOP an output element and a pooling
+    one: the block's recompute was a fraction of XLA's, and saving the conv looked like
+    sparing almost nothing."""
+    layer, p = _conv_block(depthwise)
+    x = jnp.ones((2, 10, 10, 8)) * 0.1
+    fp = nr.traced_footprint(layer, x, p)
+    base = _xla_step_flops(layer, None, p, x)
+    for saved in [(), ("conv",), ("hidden",), ("conv", "hidden")]:
+        xla = _xla_step_flops(layer, jax.checkpoint_policies.save_only_these_names(*saved),
+                              p, x)
+        assert fp.evaluate(saved)[1] == xla - base, saved
