@@ -55,6 +55,19 @@ was looked at while `fit`'s search constants were tuned:
   float32; ``optax.adam`` on the inverse-square-root warm-up; donated; the batch is
   ``(source, target)`` tokens.
 
+* ``linen-convnext`` -- a Flax **linen** ConvNeXt image classifier: a 4x4 patchify
+  convolution of stride 4, then ``nn.scan(nn.remat(ConvNeXtBlock, policy=policy))``
+  blocks of a depthwise 7x7 convolution (``feature_group_count`` = channels), LayerNorm,
+  a pointwise MLP (``nn.Dense`` over the channels, 4x, GELU) and a per-channel
+  LayerScale; global average pooling, LayerNorm, a linear head. float32 parameters,
+  bfloat16 compute (Flax's ``dtype=``); ``optax.adamw`` on a cosine schedule; donated;
+  the batch is ``(images, labels)``.
+* ``linen-resnet`` -- a Flax **linen** ResNet stage: a 3x3 convolution stem, then
+  ``nn.scan(nn.remat(BasicBlock, policy=policy))`` of identical basic blocks (dense 3x3
+  convolutions without bias, GroupNorm, ReLU, the residual), global average pooling, a
+  linear head; float32; weight decay and SGD with Nesterov momentum (the classic ResNet
+  recipe, as an ``optax.chain``); donated. Dense convolutions are nearly all of its work.
+
 Tag names follow each library's idiom and differ from zoo.py's (GPT-2 checkpoint paths,
 dotted module paths, ``Class.attr``, a pure-JAX user's ``branch.layer``, slash-separated
 module paths).
@@ -780,6 +793,194 @@ class LinenEncDecStep(_Step):
 
         return make
 
+# ======================================================================================
+# 6. Flax linen ConvNeXt.
+# ======================================================================================
+
+
+@dataclass(frozen=True)
+class ConvNeXtConfig:
+    image: int = 64
+    channels: int = 3
+    stem: int = 4  # the patchify stem: a 4x4 convolution of stride 4 (a 16 x 16 grid)
+    width: int = 64
+    kernel: int = 7  # the depthwise convolution's
+    expansion: int = 4
+    n_blocks: int = 4
+    classes: int = 10
+    batch: int = 8
+    compute_dtype: Any = jnp.bfloat16
+
+
+class ConvNeXtBlock(nn.Module):
+    """One ConvNeXt block on NHWC activations: a depthwise 7x7 convolution, LayerNorm, a
+    pointwise MLP (two 1x1 convolutions as ``nn.Dense`` over the channels) with GELU, a
+    per-channel LayerScale, the residual. Parameters in float32, compute in `dtype` (Flax's
+    mixed precision). Carry-in-carry-out for ``nn.scan``."""
+
+    cfg: ConvNeXtConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
+        c, dt = self.cfg, self.cfg.compute_dtype
+        h = nn.Conv(c.width, (c.kernel, c.kernel), padding="SAME",
+                    feature_group_count=c.width, dtype=dt, name="dwconv")(x)
+        h = checkpoint_name(h, "block/dwconv")
+        h = checkpoint_name(nn.LayerNorm(epsilon=1e-6, dtype=dt, name="norm")(h),
+                            "block/norm")
+        h = checkpoint_name(nn.Dense(c.expansion * c.width, dtype=dt, name="pwconv1")(h),
+                            "block/pwconv1")
+        h = checkpoint_name(nn.gelu(h), "block/act")
+        h = checkpoint_name(nn.Dense(c.width, dtype=dt, name="pwconv2")(h), "block/pwconv2")
+        gamma = self.param("gamma", nn.initializers.constant(1e-6), (c.width,))
+        return x + (gamma * h).astype(x.dtype), None
+
+
+class ConvNeXt(nn.Module):
+    cfg: ConvNeXtConfig
+    policy: Callable[..., Any] = jax.checkpoint_policies.nothing_saveable
+
+    @nn.compact
+    def __call__(self, images: jax.Array) -> jax.Array:
+        c, dt = self.cfg, self.cfg.compute_dtype
+        x = nn.Conv(c.width, (c.stem, c.stem), strides=c.stem, padding="VALID", dtype=dt,
+                    name="stem")(images)
+        x = nn.LayerNorm(epsilon=1e-6, dtype=dt, name="stem_norm")(x)
+        blocks = nn.scan(nn.remat(ConvNeXtBlock, policy=self.policy),
+                         variable_axes={"params": 0}, split_rngs={"params": True},
+                         length=c.n_blocks)
+        x, _ = blocks(c, name="blocks")(x, None)
+        x = nn.LayerNorm(epsilon=1e-6, dtype=dt, name="head_norm")(x.mean(axis=(1, 2)))
+        return nn.Dense(c.classes, dtype=jnp.float32, name="head")(x)
+
+
+@dataclass(frozen=True)
+class LinenConvNeXtStep(_Step):
+    """Flax linen ConvNeXt (nn.scan over nn.remat blocks, depthwise convolutions), bf16
+    compute over f32 parameters, AdamW with a cosine schedule, donated state."""
+
+    cfg: ConvNeXtConfig = ConvNeXtConfig()
+
+    def _tx(self) -> optax.GradientTransformation:
+        return optax.adamw(optax.cosine_decay_schedule(4e-3, 10_000), weight_decay=0.05)
+
+    def abstract_args(self) -> tuple[Any, Any]:
+        c = self.cfg
+        model, tx = ConvNeXt(c), self._tx()
+
+        def state() -> Any:
+            params = model.init(jax.random.PRNGKey(0), jnp.zeros(
+                (c.batch, c.image, c.image, c.channels), jnp.float32))["params"]
+            return params, tx.init(params)
+
+        batch = (jax.ShapeDtypeStruct((c.batch, c.image, c.image, c.channels), jnp.float32),
+                 jax.ShapeDtypeStruct((c.batch,), jnp.int32))
+        return jax.eval_shape(state), batch
+
+    def make_step(self) -> Callable[[Any], Any]:
+        c, tx = self.cfg, self._tx()
+
+        def make(policy: Any) -> Any:
+            model = ConvNeXt(c, policy=policy)
+
+            def loss_fn(params: Any, images: jax.Array, labels: jax.Array) -> jax.Array:
+                logits = model.apply({"params": params}, images)
+                return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+            return _update_step(loss_fn, tx)
+
+        return make
+
+
+# ======================================================================================
+# 7. Flax linen ResNet stage.
+# ======================================================================================
+
+
+@dataclass(frozen=True)
+class ResNetConfig:
+    image: int = 32
+    channels: int = 3
+    width: int = 64
+    n_blocks: int = 4  # one stage of identical basic blocks, as a scan can run them
+    groups: int = 8  # GroupNorm's
+    classes: int = 10
+    batch: int = 8
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block (3x3 convolution, GroupNorm, ReLU, 3x3 convolution, GroupNorm,
+    the residual, ReLU) on NHWC float32 activations. Carry-in-carry-out for ``nn.scan``."""
+
+    cfg: ResNetConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: Any) -> tuple[jax.Array, None]:
+        c = self.cfg
+        h = checkpoint_name(nn.Conv(c.width, (3, 3), use_bias=False, name="conv1")(x),
+                            "stage/conv1")
+        h = nn.relu(checkpoint_name(nn.GroupNorm(c.groups, name="norm1")(h), "stage/norm1"))
+        h = checkpoint_name(nn.Conv(c.width, (3, 3), use_bias=False, name="conv2")(h),
+                            "stage/conv2")
+        h = checkpoint_name(nn.GroupNorm(c.groups, name="norm2")(h), "stage/norm2")
+        return nn.relu(x + h), None
+
+
+class ResNetStage(nn.Module):
+    cfg: ResNetConfig
+    policy: Callable[..., Any] = jax.checkpoint_policies.nothing_saveable
+
+    @nn.compact
+    def __call__(self, images: jax.Array) -> jax.Array:
+        c = self.cfg
+        x = nn.relu(nn.GroupNorm(c.groups, name="stem_norm")(
+            nn.Conv(c.width, (3, 3), use_bias=False, name="stem")(images)))
+        blocks = nn.scan(nn.remat(BasicBlock, policy=self.policy),
+                         variable_axes={"params": 0}, split_rngs={"params": True},
+                         length=c.n_blocks)
+        x, _ = blocks(c, name="stage")(x, None)
+        return nn.Dense(c.classes, name="head")(x.mean(axis=(1, 2)))
+
+
+@dataclass(frozen=True)
+class LinenResNetStep(_Step):
+    """Flax linen ResNet stage (nn.scan over nn.remat basic blocks, dense 3x3
+    convolutions), f32, SGD with Nesterov momentum and weight decay, donated state."""
+
+    cfg: ResNetConfig = ResNetConfig()
+
+    def _tx(self) -> optax.GradientTransformation:
+        return optax.chain(optax.add_decayed_weights(5e-4),
+                           optax.sgd(0.1, momentum=0.9, nesterov=True))
+
+    def abstract_args(self) -> tuple[Any, Any]:
+        c = self.cfg
+        model, tx = ResNetStage(c), self._tx()
+
+        def state() -> Any:
+            params = model.init(jax.random.PRNGKey(0), jnp.zeros(
+                (c.batch, c.image, c.image, c.channels), jnp.float32))["params"]
+            return params, tx.init(params)
+
+        batch = (jax.ShapeDtypeStruct((c.batch, c.image, c.image, c.channels), jnp.float32),
+                 jax.ShapeDtypeStruct((c.batch,), jnp.int32))
+        return jax.eval_shape(state), batch
+
+    def make_step(self) -> Callable[[Any], Any]:
+        c, tx = self.cfg, self._tx()
+
+        def make(policy: Any) -> Any:
+            model = ResNetStage(c, policy=policy)
+
+            def loss_fn(params: Any, images: jax.Array, labels: jax.Array) -> jax.Array:
+                logits = model.apply({"params": params}, images)
+                return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+            return _update_step(loss_fn, tx)
+
+        return make
+
+
 STEPS: dict[str, Any] = {s.name: s for s in [
     LinenGPT2Step(
         "linen-gpt2",
@@ -809,5 +1010,16 @@ STEPS: dict[str, Any] = {s.name: s for s in [
              "heads, post-LN, ReLU MLP 4x, sinusoidal positions, shared tied embedding, "
              "f32, optax.adam with inverse-sqrt warm-up, donated; 6 tags shared by both "
              "stacks"),
+    LinenConvNeXtStep(
+        "linen-convnext",
+        note="Flax linen ConvNeXt image classifier: 4x4 patchify conv stem, "
+             "nn.scan(nn.remat) x4 blocks on a 16x16 grid, depthwise 7x7 conv, LayerNorm, "
+             "pointwise MLP 4x (GELU), LayerScale, width 64, bf16 compute over f32 "
+             "params, optax.adamw on a cosine schedule, donated; 5 tags"),
+    LinenResNetStep(
+        "linen-resnet",
+        note="Flax linen ResNet stage: 3x3 conv stem, nn.scan(nn.remat) x4 basic blocks "
+             "(two dense 3x3 convs, GroupNorm, ReLU) at width 64 on a 32x32 image, f32, "
+             "SGD Nesterov momentum + weight decay, donated; 4 tags"),
 ]}
 """The foreign steps, by name (all held-out)."""

@@ -86,6 +86,10 @@ SHARDED = ["big-state-fsdp8", "wide-ffn-sgd-bf16-fsdp8", "long-seq-fsdp8",
            "moe8-rope-sgd-fsdp8", "rope-gqa2-bf16-fsdp8"]
 
 
+FOREIGN = ["linen-gpt2", "eqx-llama", "nnx-parallel", "haiku-free-mixer", "linen-encdec",
+           "linen-convnext", "linen-resnet"]  # foreign_zoo.STEPS (which imports flax)
+
+
 def _zoo_row(name: str, st: dict) -> list[str]:
     """A row of the README's zoo tables: step, split, tags, no remat over full remat, then
     the two modes' cells."""
@@ -108,13 +112,11 @@ def _modes_row(name: str, st: dict) -> list[str]:
 # table of the oracle without figures holds these steps as swept: not with --spare).
 README_TABLES = {
     "zoo": (ZOO_HEADER, 0, [], list(zoo.ZOO), _zoo_row, True),
-    "foreign": (ZOO_HEADER, 1, ["--steps-module", "tests.cpu.foreign_zoo"],
-                ["linen-gpt2", "eqx-llama", "nnx-parallel", "haiku-free-mixer",
-                 "linen-encdec"], _zoo_row, True),
+    "foreign": (ZOO_HEADER, 1, ["--steps-module", "tests.cpu.foreign_zoo"], FOREIGN,
+                _zoo_row, True),
     "spare": ("| step | memory_analysis | oracle |", 0,
-              ["--steps-module", "tests.cpu.foreign_zoo", "--spare"],
-              ["linen-gpt2", "eqx-llama", "nnx-parallel", "haiku-free-mixer",
-               "linen-encdec"], _modes_row, False),
+              ["--steps-module", "tests.cpu.foreign_zoo", "--spare"], FOREIGN, _modes_row,
+              False),
     "sharded": (SHARDED_HEADER, 0, ["--steps-module", "tests.cpu.sharded_zoo",
                                     "--host-devices", "8"], SHARDED, _modes_row, True),
 }
