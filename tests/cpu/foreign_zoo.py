@@ -855,33 +855,34 @@ class ConvNeXt(nn.Module):
 
 
 @dataclass(frozen=True)
-class LinenConvNeXtStep(_Step):
-    """Flax linen ConvNeXt (nn.scan over nn.remat blocks, depthwise convolutions), bf16
-    compute over f32 parameters, AdamW with a cosine schedule, donated state."""
+class _LinenClassifierStep(_Step):
+    """A Flax linen image classifier's step: ``(images, labels)`` in, softmax cross-entropy
+    over integer labels, the state donated. Each adds its `cfg` (with ``image``,
+    ``channels``, ``batch``), `_model(policy)` and `_tx()`."""
 
-    cfg: ConvNeXtConfig = ConvNeXtConfig()
+    def _model(self, policy: Any = jax.checkpoint_policies.nothing_saveable) -> nn.Module:
+        raise NotImplementedError
 
     def _tx(self) -> optax.GradientTransformation:
-        return optax.adamw(optax.cosine_decay_schedule(4e-3, 10_000), weight_decay=0.05)
+        raise NotImplementedError
 
     def abstract_args(self) -> tuple[Any, Any]:
-        c = self.cfg
-        model, tx = ConvNeXt(c), self._tx()
+        c = self.cfg  # type: ignore[attr-defined]
+        model, tx = self._model(), self._tx()
+        images = jax.ShapeDtypeStruct((c.batch, c.image, c.image, c.channels), jnp.float32)
 
         def state() -> Any:
-            params = model.init(jax.random.PRNGKey(0), jnp.zeros(
-                (c.batch, c.image, c.image, c.channels), jnp.float32))["params"]
+            params = model.init(jax.random.PRNGKey(0),
+                                jnp.zeros(images.shape, images.dtype))["params"]
             return params, tx.init(params)
 
-        batch = (jax.ShapeDtypeStruct((c.batch, c.image, c.image, c.channels), jnp.float32),
-                 jax.ShapeDtypeStruct((c.batch,), jnp.int32))
-        return jax.eval_shape(state), batch
+        return jax.eval_shape(state), (images, jax.ShapeDtypeStruct((c.batch,), jnp.int32))
 
     def make_step(self) -> Callable[[Any], Any]:
-        c, tx = self.cfg, self._tx()
+        tx = self._tx()
 
         def make(policy: Any) -> Any:
-            model = ConvNeXt(c, policy=policy)
+            model = self._model(policy)
 
             def loss_fn(params: Any, images: jax.Array, labels: jax.Array) -> jax.Array:
                 logits = model.apply({"params": params}, images)
@@ -890,6 +891,20 @@ class LinenConvNeXtStep(_Step):
             return _update_step(loss_fn, tx)
 
         return make
+
+
+@dataclass(frozen=True)
+class LinenConvNeXtStep(_LinenClassifierStep):
+    """Flax linen ConvNeXt (nn.scan over nn.remat blocks, depthwise convolutions), bf16
+    compute over f32 parameters, AdamW with a cosine schedule, donated state."""
+
+    cfg: ConvNeXtConfig = ConvNeXtConfig()
+
+    def _model(self, policy: Any = jax.checkpoint_policies.nothing_saveable) -> nn.Module:
+        return ConvNeXt(self.cfg, policy=policy)
+
+    def _tx(self) -> optax.GradientTransformation:
+        return optax.adamw(optax.cosine_decay_schedule(4e-3, 10_000), weight_decay=0.05)
 
 
 # ======================================================================================
@@ -943,42 +958,18 @@ class ResNetStage(nn.Module):
 
 
 @dataclass(frozen=True)
-class LinenResNetStep(_Step):
+class LinenResNetStep(_LinenClassifierStep):
     """Flax linen ResNet stage (nn.scan over nn.remat basic blocks, dense 3x3
     convolutions), f32, SGD with Nesterov momentum and weight decay, donated state."""
 
     cfg: ResNetConfig = ResNetConfig()
 
+    def _model(self, policy: Any = jax.checkpoint_policies.nothing_saveable) -> nn.Module:
+        return ResNetStage(self.cfg, policy=policy)
+
     def _tx(self) -> optax.GradientTransformation:
         return optax.chain(optax.add_decayed_weights(5e-4),
                            optax.sgd(0.1, momentum=0.9, nesterov=True))
-
-    def abstract_args(self) -> tuple[Any, Any]:
-        c = self.cfg
-        model, tx = ResNetStage(c), self._tx()
-
-        def state() -> Any:
-            params = model.init(jax.random.PRNGKey(0), jnp.zeros(
-                (c.batch, c.image, c.image, c.channels), jnp.float32))["params"]
-            return params, tx.init(params)
-
-        batch = (jax.ShapeDtypeStruct((c.batch, c.image, c.image, c.channels), jnp.float32),
-                 jax.ShapeDtypeStruct((c.batch,), jnp.int32))
-        return jax.eval_shape(state), batch
-
-    def make_step(self) -> Callable[[Any], Any]:
-        c, tx = self.cfg, self._tx()
-
-        def make(policy: Any) -> Any:
-            model = ResNetStage(c, policy=policy)
-
-            def loss_fn(params: Any, images: jax.Array, labels: jax.Array) -> jax.Array:
-                logits = model.apply({"params": params}, images)
-                return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-            return _update_step(loss_fn, tx)
-
-        return make
 
 
 STEPS: dict[str, Any] = {s.name: s for s in [
