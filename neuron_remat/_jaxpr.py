@@ -393,6 +393,10 @@ def eqn_flops(eqn: Any) -> int:
         return _ragged_dot_flops(eqn)
     if name == "conv_general_dilated":
         return _conv_flops(eqn)
+    if name in _LOWERED:
+        counted = _xla_cpu_flops(eqn)
+        if counted is not None:
+            return counted
     if name in _WINDOW_REDUCE:  # (window - 1) combines per output element
         window = math.prod(eqn.params["window_dimensions"])
         return (window - 1) * int(math.prod(eqn.outvars[0].aval.shape))
@@ -459,6 +463,46 @@ def _folded(eqn: Any, name: str) -> bool:
 
 
 _WINDOW_REDUCE = {"reduce_window_sum", "reduce_window_max", "reduce_window_min"}
+
+_LOWERED = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "erfc", "erf_inv",
+            "lgamma", "digamma", "sort", "top_k", "fft"}
+"""Primitives with no one HLO op of their own: JAX or XLA lowers each to a program whose
+work depends on the backend's lowering and the shape (a cumulative sum to an associative
+scan on the CPU and GPU, ``erfc`` to a polynomial, a sort to a comparison network), so the
+trace counts what XLA:CPU's cost analysis counts for the equation compiled alone."""
+
+
+def _xla_cpu_flops(eqn: Any) -> int | None:
+    """XLA:CPU's FLOPs for `eqn` compiled alone (cached by primitive, parameters and
+    operand types; 0 for a custom call XLA does not count, as ``top_k``'s), or None where
+    that cannot be had (no CPU backend in this process, any error): the caller then counts
+    one FLOP an output element."""
+    try:
+        key = (str(eqn.primitive), repr(sorted(eqn.params.items())),
+               tuple((tuple(v.aval.shape), str(v.aval.dtype)) for v in eqn.invars))
+    except AttributeError:
+        return None
+    if key not in _XLA_CPU_FLOPS:
+        _XLA_CPU_FLOPS[key] = _compile_alone(eqn)
+    return _XLA_CPU_FLOPS[key]
+
+
+_XLA_CPU_FLOPS: dict[tuple[Any, ...], int | None] = {}
+
+
+def _compile_alone(eqn: Any) -> int | None:
+    try:
+        cpu = jax.local_devices(backend="cpu")[0]
+        args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+        with jax.default_device(cpu):
+            compiled = jax.jit(lambda *a: eqn.primitive.bind(*a, **eqn.params)).lower(
+                *args).compile()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+        flops = float((cost or {}).get("flops", 0.0))
+    except Exception:  # noqa: BLE001 -- any failure: the caller's closed-form count
+        return None
+    return max(int(flops), 0)  # a custom call XLA does not count (TopK) reports -1
 
 
 def _taps(size_in: int, size_out: int, kernel: int, stride: int, pad_low: int,
