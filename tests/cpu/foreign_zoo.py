@@ -68,6 +68,15 @@ was looked at while `fit`'s search constants were tuned:
   linear head; float32; weight decay and SGD with Nesterov momentum (the classic ResNet
   recipe, as an ``optax.chain``); donated. Dense convolutions are nearly all of its work.
 
+* ``eqx-mamba2`` -- an **Equinox** Mamba-2 language model: pre-RMSNorm layers of one
+  input projection (the gate, the convolved stream and the per-head step), a causal
+  depthwise convolution over time (``conv_general_dilated`` with the past padded) and SiLU,
+  the state-space model in its quadratic "state-space duality" form (per head, decays
+  from a cumulative sum of the steps, masked to the past, times C.B, in float32), a skip,
+  a gated RMSNorm and the output projection; weights held as arrays, stacked with
+  ``eqx.filter_vmap`` and run with ``jax.lax.scan`` over ``jax.checkpoint``; bfloat16;
+  the embedding tied; clipped ``optax.adamw``; donated.
+
 Tag names follow each library's idiom and differ from zoo.py's (GPT-2 checkpoint paths,
 dotted module paths, ``Class.attr``, a pure-JAX user's ``branch.layer``, slash-separated
 module paths).
@@ -972,6 +981,154 @@ class LinenResNetStep(_LinenClassifierStep):
                            optax.sgd(0.1, momentum=0.9, nesterov=True))
 
 
+# ======================================================================================
+# 8. Equinox Mamba-2 (state-space duality).
+# ======================================================================================
+
+
+@dataclass(frozen=True)
+class Mamba2Config:
+    vocab: int = 256
+    dim: int = 128
+    expand: int = 2  # inner width = expand x dim
+    head_dim: int = 32
+    state: int = 16  # N, shared by every head (one group)
+    conv: int = 4  # the causal depthwise convolution's width
+    n_layers: int = 4
+    seq: int = 128
+    batch: int = 2
+    dtype: Any = jnp.bfloat16
+
+
+class Mamba2Layer(eqx.Module):
+    """One pre-norm Mamba-2 layer on one sequence (seq, dim): an input projection to the
+    gate z, the convolved stream (x, B, C) and the per-head step dt; a causal depthwise
+    convolution over time with SiLU; the state-space model in its quadratic ("dual") form,
+    y_t = sum_{s<=t} exp(sum_{s<r<=t} dt_r A) (C_t . B_s) dt_s x_s + D x_t, per head, in
+    float32 (the decays are a cumulative sum, `segsum`); a gated RMSNorm (y * SiLU(z)); the
+    output projection. Weights in `dtype`, held as arrays (the decay and skip in float32)."""
+
+    norm: jax.Array
+    in_proj: jax.Array
+    conv_w: jax.Array
+    conv_b: jax.Array
+    dt_bias: jax.Array
+    a_log: jax.Array
+    skip: jax.Array
+    out_norm: jax.Array
+    out_proj: jax.Array
+    cfg: Mamba2Config = eqx.field(static=True)
+
+    def __init__(self, cfg: Mamba2Config, key: jax.Array) -> None:
+        inner, heads = cfg.expand * cfg.dim, cfg.expand * cfg.dim // cfg.head_dim
+        streams = inner + 2 * cfg.state
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        self.cfg = cfg
+        self.norm = jnp.ones(cfg.dim, cfg.dtype)
+        self.in_proj = (jax.random.normal(k1, (cfg.dim, inner + streams + heads))
+                        / math.sqrt(cfg.dim)).astype(cfg.dtype)
+        self.conv_w = (jax.random.normal(k2, (cfg.conv, 1, streams)) * 0.2).astype(cfg.dtype)
+        self.conv_b = jnp.zeros(streams, cfg.dtype)
+        self.dt_bias = jnp.log(jnp.expm1(jax.random.uniform(k3, (heads,), minval=1e-3,
+                                                              maxval=1e-1)))
+        self.a_log = jnp.log(jnp.linspace(1.0, 16.0, heads))
+        self.skip = jnp.ones(heads)
+        self.out_norm = jnp.ones(inner, cfg.dtype)
+        self.out_proj = (jax.random.normal(k4, (inner, cfg.dim)) / math.sqrt(inner)
+                         ).astype(cfg.dtype)
+
+    @staticmethod
+    def _rms(x: jax.Array, scale: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        return (x32 * jax.lax.rsqrt((x32 * x32).mean(-1, keepdims=True) + 1e-5)
+                ).astype(x.dtype) * scale
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        c = self.cfg
+        t, inner = x.shape[0], c.expand * c.dim
+        heads = inner // c.head_dim
+        zxbcdt = checkpoint_name(self._rms(x, self.norm) @ self.in_proj, "mixer.in_proj")
+        z, xbc, dt = jnp.split(zxbcdt, [inner, 2 * inner + 2 * c.state], axis=-1)
+        xbc = jax.lax.conv_general_dilated(  # causal: pad the past only
+            xbc[None], self.conv_w, (1,), [(c.conv - 1, 0)],
+            dimension_numbers=("NWC", "WIO", "NWC"), feature_group_count=xbc.shape[-1])[0]
+        xbc = checkpoint_name(jax.nn.silu(xbc + self.conv_b), "mixer.conv")
+        xs, b, cm = jnp.split(xbc.astype(jnp.float32), [inner, inner + c.state], axis=-1)
+        xs = xs.reshape(t, heads, c.head_dim)
+        dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias)  # (t, heads)
+        decay = jnp.cumsum(dt * -jnp.exp(self.a_log), axis=0)  # (t, heads)
+        seg = decay[:, None, :] - decay[None, :, :]  # (t, s, heads)
+        causal = jnp.tril(jnp.ones((t, t), bool))[:, :, None]
+        weights = jnp.exp(jnp.where(causal, seg, -jnp.inf)) * (cm @ b.T)[:, :, None]
+        y = jnp.einsum("tsh,sh,shp->thp", weights, dt, xs) + self.skip[:, None] * xs
+        y = checkpoint_name(y.reshape(t, inner).astype(x.dtype), "mixer.ssd")
+        y = self._rms(y * jax.nn.silu(z), self.out_norm)
+        return x + checkpoint_name(y @ self.out_proj, "mixer.out_proj")
+
+
+class Mamba2(eqx.Module):
+    embed: jax.Array
+    layers: Mamba2Layer  # stacked: every array leaf has a leading n_layers axis
+    norm: jax.Array
+
+    def __init__(self, cfg: Mamba2Config, key: jax.Array) -> None:
+        k_emb, k_layers = jax.random.split(key)
+        self.embed = (jax.random.normal(k_emb, (cfg.vocab, cfg.dim)) * 0.02).astype(cfg.dtype)
+        make_layer = lambda k: Mamba2Layer(cfg, k)  # noqa: E731
+        self.layers = eqx.filter_vmap(make_layer)(jax.random.split(k_layers, cfg.n_layers))
+        self.norm = jnp.ones(cfg.dim, cfg.dtype)
+
+    def __call__(self, tokens: jax.Array, policy: Any) -> jax.Array:
+        """tokens: (seq,) -> logits (seq, vocab) float32, the embedding tied."""
+        x = self.embed[tokens]
+        dyn, static = eqx.partition(self.layers, eqx.is_array)
+
+        @functools.partial(jax.checkpoint, policy=policy)
+        def run_layer(h: jax.Array, layer_dyn: Any) -> jax.Array:
+            return eqx.combine(layer_dyn, static)(h)
+
+        x, _ = jax.lax.scan(lambda h, p: (run_layer(h, p), None), x, dyn)
+        return (Mamba2Layer._rms(x, self.norm) @ self.embed.T).astype(jnp.float32)
+
+
+@dataclass(frozen=True)
+class EqxMamba2Step(_Step):
+    """Equinox Mamba-2 (filter_vmap-stacked layers, lax.scan over jax.checkpoint), bf16
+    weights and activations with the state-space model in f32, clipped AdamW, donated."""
+
+    cfg: Mamba2Config = Mamba2Config()
+
+    def _tx(self) -> optax.GradientTransformation:
+        return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3,
+                                                                       weight_decay=0.1))
+
+    def _static(self) -> Any:
+        model = eqx.filter_eval_shape(Mamba2, self.cfg, jax.random.PRNGKey(0))
+        return eqx.partition(model, eqx.is_array)[1]
+
+    def abstract_args(self) -> tuple[Any, Any]:
+        c, tx = self.cfg, self._tx()
+
+        def state() -> Any:
+            params, _ = eqx.partition(Mamba2(c, jax.random.PRNGKey(0)), eqx.is_array)
+            return params, tx.init(params)
+
+        return (jax.eval_shape(state),
+                jax.ShapeDtypeStruct((c.batch, c.seq + 1), jnp.int32))
+
+    def make_step(self) -> Callable[[Any], Any]:
+        tx, static = self._tx(), self._static()
+
+        def make(policy: Any) -> Any:
+            def logits(params: Any, x: jax.Array) -> jax.Array:
+                model = eqx.combine(params, static)
+                return jax.vmap(lambda t: model(t, policy))(x)
+
+            return _train_step(logits, tx, donate=True, apply_updates=eqx.apply_updates)
+
+        return make
+
+
 STEPS: dict[str, Any] = {s.name: s for s in [
     LinenGPT2Step(
         "linen-gpt2",
@@ -1012,5 +1169,11 @@ STEPS: dict[str, Any] = {s.name: s for s in [
         note="Flax linen ResNet stage: 3x3 conv stem, nn.scan(nn.remat) x4 basic blocks "
              "(two dense 3x3 convs, GroupNorm, ReLU) at width 64 on a 32x32 image, f32, "
              "SGD Nesterov momentum + weight decay, donated; 4 tags"),
+    EqxMamba2Step(
+        "eqx-mamba2",
+        note="Equinox Mamba-2: filter_vmap-stacked layers, lax.scan over jax.checkpoint x4, "
+             "hidden 128, inner 256 in 8 heads of 32, state 16, causal depthwise conv of "
+             "4, the SSD quadratic form (cumsum decays) in f32, gated RMSNorm, bf16, "
+             "clipped optax.adamw, donated; 4 tags"),
 ]}
 """The foreign steps, by name (all held-out)."""
