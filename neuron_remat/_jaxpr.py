@@ -380,7 +380,9 @@ def eqn_flops(eqn: Any) -> int:
     ``logistic``, which XLA expands to negate, exp, add and divide (3 FLOPs), and a gather
     in fill mode (``jnp.take``'s default), whose bounds check and select cost one per
     output element and three per index element (XLA's count for one index component, as
-    ``jnp.take`` makes; a few more for several)."""
+    ``jnp.take`` makes; a few more for several). A convolution counts its multiply-adds
+    that read the input (`_conv_flops`), a pooling window its combines, and a primitive
+    lowered to a program of its own (`_LOWERED`) XLA:CPU's count of it compiled alone."""
     name = str(eqn.primitive)
     if name in _KERNELS:  # what the kernel's author estimated (CostEstimate.flops), or 0
         return int(getattr(eqn.params.get("cost_estimate"), "flops", 0) or 0)
@@ -491,6 +493,8 @@ _XLA_CPU_FLOPS: dict[tuple[Any, ...], int | None] = {}
 
 
 def _compile_alone(eqn: Any) -> int | None:
+    """`eqn` alone, jitted on this process's CPU backend at its operand types: XLA's
+    FLOPs, or None on any failure."""
     try:
         cpu = jax.local_devices(backend="cpu")[0]
         args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
