@@ -54,7 +54,6 @@ was looked at while `fit`'s search constants were tuned:
   decoder's self-attention and its cross-attention (over the source length) alike.
   float32; ``optax.adam`` on the inverse-square-root warm-up; donated; the batch is
   ``(source, target)`` tokens.
-
 * ``linen-convnext`` -- a Flax **linen** ConvNeXt image classifier: a 4x4 patchify
   convolution of stride 4, then ``nn.scan(nn.remat(ConvNeXtBlock, policy=policy))``
   blocks of a depthwise 7x7 convolution (``feature_group_count`` = channels), LayerNorm,
@@ -67,7 +66,6 @@ was looked at while `fit`'s search constants were tuned:
   convolutions without bias, GroupNorm, ReLU, the residual), global average pooling, a
   linear head; float32; weight decay and SGD with Nesterov momentum (the classic ResNet
   recipe, as an ``optax.chain``); donated. Dense convolutions are nearly all of its work.
-
 * ``eqx-mamba2`` -- an **Equinox** Mamba-2 language model: pre-RMSNorm layers of one
   input projection (the gate, the convolved stream and the per-head step), a causal
   depthwise convolution over time (``conv_general_dilated`` with the past padded) and SiLU,
