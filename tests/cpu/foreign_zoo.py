@@ -330,6 +330,19 @@ class LlamaLayer(eqx.Module):
         return x + y
 
 
+def _scan_layers(layers: eqx.Module, x: jax.Array, policy: Any) -> jax.Array:
+    """Run `layers` (stacked: every array leaf has a leading layer axis) over `x` with
+    ``jax.lax.scan``, each layer ``jax.checkpoint``ed with `policy`: the array partition is
+    what the scan slices, the static rest is combined back in each step."""
+    dyn, static = eqx.partition(layers, eqx.is_array)
+
+    @functools.partial(jax.checkpoint, policy=policy)
+    def run_layer(h: jax.Array, layer_dyn: Any) -> jax.Array:
+        return eqx.combine(layer_dyn, static)(h)
+
+    return jax.lax.scan(lambda h, p: (run_layer(h, p), None), x, dyn)[0]
+
+
 class Llama(eqx.Module):
     embed: eqx.nn.Embedding
     layers: LlamaLayer  # stacked: every array leaf has a leading n_layers axis
@@ -347,37 +360,34 @@ class Llama(eqx.Module):
 
     def __call__(self, tokens: jax.Array, policy: Any) -> jax.Array:
         """tokens: (seq,) -> logits (seq, vocab) float32."""
-        x = jax.vmap(self.embed)(tokens)
-        dyn, static = eqx.partition(self.layers, eqx.is_array)
-
-        @functools.partial(jax.checkpoint, policy=policy)
-        def run_layer(h: jax.Array, layer_dyn: Any) -> jax.Array:
-            return eqx.combine(layer_dyn, static)(h)
-
-        x, _ = jax.lax.scan(lambda h, p: (run_layer(h, p), None), x, dyn)
+        x = _scan_layers(self.layers, jax.vmap(self.embed)(tokens), policy)
         x = jax.vmap(self.norm)(x)
         return jax.vmap(self.lm_head)(x).astype(jnp.float32)
 
 
 @dataclass(frozen=True)
-class EqxLlamaStep(_Step):
-    """Equinox LLaMA (filter_vmap-stacked layers, lax.scan over jax.checkpoint), bf16,
-    Adafactor, donated state."""
+class _EqxLanguageModelStep(_Step):
+    """An Equinox language model's next-token step: the model's array partition and the
+    optimizer state are what ``jax.jit`` sees, donated; the model maps one sequence of
+    tokens and `policy` to logits, vmapped over the batch. Each adds its `cfg` (with
+    ``batch`` and ``seq``), `_model` (the model's class, built as ``_model(cfg, key)``)
+    and `_tx()`."""
 
-    cfg: LlamaConfig = LlamaConfig()
+    _model: Any = None
 
     def _tx(self) -> optax.GradientTransformation:
-        return optax.adafactor(1e-3)
+        raise NotImplementedError
 
     def _static(self) -> Any:
-        model = eqx.filter_eval_shape(Llama, self.cfg, jax.random.PRNGKey(0))
+        cfg = self.cfg  # type: ignore[attr-defined]
+        model = eqx.filter_eval_shape(self._model, cfg, jax.random.PRNGKey(0))
         return eqx.partition(model, eqx.is_array)[1]
 
     def abstract_args(self) -> tuple[Any, Any]:
-        c, tx = self.cfg, self._tx()
+        c, tx = self.cfg, self._tx()  # type: ignore[attr-defined]
 
         def state() -> Any:
-            params, _ = eqx.partition(Llama(c, jax.random.PRNGKey(0)), eqx.is_array)
+            params, _ = eqx.partition(self._model(c, jax.random.PRNGKey(0)), eqx.is_array)
             return params, tx.init(params)
 
         return (jax.eval_shape(state),
@@ -394,6 +404,18 @@ class EqxLlamaStep(_Step):
             return _train_step(logits, tx, donate=True, apply_updates=eqx.apply_updates)
 
         return make
+
+
+@dataclass(frozen=True)
+class EqxLlamaStep(_EqxLanguageModelStep):
+    """Equinox LLaMA (filter_vmap-stacked layers, lax.scan over jax.checkpoint), bf16,
+    Adafactor, donated state."""
+
+    cfg: LlamaConfig = LlamaConfig()
+    _model: Any = Llama
+
+    def _tx(self) -> optax.GradientTransformation:
+        return optax.adafactor(1e-3)
 
 
 # ======================================================================================
@@ -1078,53 +1100,21 @@ class Mamba2(eqx.Module):
 
     def __call__(self, tokens: jax.Array, policy: Any) -> jax.Array:
         """tokens: (seq,) -> logits (seq, vocab) float32, the embedding tied."""
-        x = self.embed[tokens]
-        dyn, static = eqx.partition(self.layers, eqx.is_array)
-
-        @functools.partial(jax.checkpoint, policy=policy)
-        def run_layer(h: jax.Array, layer_dyn: Any) -> jax.Array:
-            return eqx.combine(layer_dyn, static)(h)
-
-        x, _ = jax.lax.scan(lambda h, p: (run_layer(h, p), None), x, dyn)
+        x = _scan_layers(self.layers, self.embed[tokens], policy)
         return (Mamba2Layer._rms(x, self.norm) @ self.embed.T).astype(jnp.float32)
 
 
 @dataclass(frozen=True)
-class EqxMamba2Step(_Step):
+class EqxMamba2Step(_EqxLanguageModelStep):
     """Equinox Mamba-2 (filter_vmap-stacked layers, lax.scan over jax.checkpoint), bf16
     weights and activations with the state-space model in f32, clipped AdamW, donated."""
 
     cfg: Mamba2Config = Mamba2Config()
+    _model: Any = Mamba2
 
     def _tx(self) -> optax.GradientTransformation:
         return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3,
                                                                        weight_decay=0.1))
-
-    def _static(self) -> Any:
-        model = eqx.filter_eval_shape(Mamba2, self.cfg, jax.random.PRNGKey(0))
-        return eqx.partition(model, eqx.is_array)[1]
-
-    def abstract_args(self) -> tuple[Any, Any]:
-        c, tx = self.cfg, self._tx()
-
-        def state() -> Any:
-            params, _ = eqx.partition(Mamba2(c, jax.random.PRNGKey(0)), eqx.is_array)
-            return params, tx.init(params)
-
-        return (jax.eval_shape(state),
-                jax.ShapeDtypeStruct((c.batch, c.seq + 1), jnp.int32))
-
-    def make_step(self) -> Callable[[Any], Any]:
-        tx, static = self._tx(), self._static()
-
-        def make(policy: Any) -> Any:
-            def logits(params: Any, x: jax.Array) -> jax.Array:
-                model = eqx.combine(params, static)
-                return jax.vmap(lambda t: model(t, policy))(x)
-
-            return _train_step(logits, tx, donate=True, apply_updates=eqx.apply_updates)
-
-        return make
 
 
 STEPS: dict[str, Any] = {s.name: s for s in [
