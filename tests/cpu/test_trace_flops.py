@@ -210,8 +210,8 @@ def test_each_convolution_of_a_layer_and_its_gradient_counts_as_xla_counts_it(ca
 
 
 def _conv_block(depthwise):
-    """A ConvNeXt-like block (depthwise or dense 3x3 conv, pointwise MLP, 2x2 average
-    of a max pool added back), its outputs tagged."""
+    """A conv block (a depthwise or dense 3x3 convolution, a 3x3 max pool, a pointwise
+    MLP, the residual), the convolution's and the MLP's hidden outputs tagged."""
     groups = 8 if depthwise else 1
 
     def layer(x, p):
