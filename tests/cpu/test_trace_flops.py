@@ -12,7 +12,7 @@ import pytest
 from jax.ad_checkpoint import checkpoint_name as cn
 
 import neuron_remat as nr
-from xla_figures import scan_step_flops
+from xla_figures import compiled_flops, scan_step_flops
 
 T, D, F, E = 16, 32, 48, 4
 
@@ -177,8 +177,7 @@ def _conv(case):
 
 
 def _xla_flops(fn, *args) -> float:
-    cost = jax.jit(fn).lower(*args).compile().cost_analysis()
-    return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
+    return compiled_flops(jax.jit(fn).lower(*args).compile())
 
 
 @pytest.mark.parametrize("case", sorted(_CONVS))
