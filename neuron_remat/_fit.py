@@ -517,8 +517,13 @@ def _make_plan(graph: StepGraph, best: _Candidate, cands: Sequence[_Candidate],
                compiled: _Compiled, options: dict[str, Any], measured: bool = True,
                extra_notes: Sequence[str] = (), over: set[Any] | None = None,
                stop: str = "") -> Plan:
-    layers = graph.count
+    layers = graph.depth
     notes = list(extra_notes)
+    if graph.count != layers:
+        notes.append(f"the step runs each layer's backward {graph.count / layers:g} times (a "
+                     "loop over micro-batches around the gradient, as gradient accumulation "
+                     f"runs: {graph.count} runs of {layers} layers): kept bytes are one "
+                     "micro-batch's, the recompute counts every run")
     kinds = graph.kinds()
     if kinds > 1:
         notes.append(f"the step checkpoints {kinds} different layers ({layers} in all): "

@@ -59,7 +59,7 @@ def _mix_sets(graph: StepGraph, tags: Sequence[str], probes: Sequence[Probe]
            and (p.saved is None or all(t in graph.tags for t in p.saved))]
     compiled = {p.saved: p.bytes for p in own}
     model = _Model.calibrate([(b, *shape(s)) for s, b in compiled.items()])
-    n = graph.count
+    n = graph.depth  # layers held at once: a loop over micro-batches repeats them
     # Recompute as XLA counts it: a rolled scan's FLOPs count its body once, so a compiled
     # set's FLOPs less no remat's are one layer's recompute. Sets not compiled: the layer
     # graph's count, scaled by what XLA counted over the graph on the compiled sets.
@@ -154,7 +154,7 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
         return keep(f"per-layer plan: not tried ({len(graph.layers)} checkpointed layers "
                     "that are not one scanned stack: an unrolled loop, or layers of several "
                     "kinds; one scanned stack is supported)")
-    n = graph.count
+    n = graph.depth
     tags = _pool(graph, candidates)
     best_tags = tuple(t for t in tags if t in uniform.saved_tags)  # as `_mix_sets` orders
     probes = list(rec.probes)

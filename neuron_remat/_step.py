@@ -10,7 +10,10 @@ values the backward reads are what any policy must either keep or recompute. Tha
 one exact `graph.LayerGraph` per layer (`LayerBackward`): for every save set, the bytes
 kept and the FLOPs recomputed, jointly; `StepGraph` sums them over the step's layers, in
 JAX's bytes and as the backend stores them (`STORED_ITEMSIZE`), per core: a jit over
-several devices traces global shapes, and its values count 1/`_shards` of them. `_pool`
+several devices traces global shapes, and its values count 1/`_shards` of them. The
+recompute counts every run of a layer's backward, the bytes the copies held at once: a
+loop over micro-batches around the gradient (gradient accumulation) runs each layer once a
+micro-batch but frees each micro-batch's residuals before the next (`_held`). `_pool`
 picks the tags worth deciding.
 """
 
@@ -28,7 +31,7 @@ from . import _jaxpr, _trace
 from ._compile import _jitted, pieces
 from ._format import first_line
 from ._jax_compat import (is_name_primitive, jit_in_shardings, remat3_off,
-                          save_only_these_names)
+                          save_only_these_names, scan_counts)
 from .graph import LayerGraph
 from .planner import DEFAULT_MIN_FLOPS_PER_BYTE
 
@@ -96,12 +99,21 @@ class LayerBackward:
 
     `graph` is exact for any save set (`LayerGraph.evaluate_roles` with tag names as the
     roles); `count` is how many times the step runs it (a scan's length, or 1 per
-    unrolled copy); `needed` are the forward values its backward reads."""
+    unrolled copy; times the micro-batches of a loop around the gradient); `held` how many
+    copies of its residuals the step holds at once: `count` less the repeats of a loop
+    that runs forward and backward in each iteration (gradient accumulation's loop over
+    micro-batches frees one micro-batch's residuals before the next; `_held`); `needed`
+    are the forward values its backward reads."""
 
     graph: LayerGraph
     count: int
     tags: tuple[str, ...]
     needed: tuple[str, ...]
+    held: int = 0  # 0: `count`
+
+    def __post_init__(self) -> None:
+        if not self.held:
+            object.__setattr__(self, "held", self.count)
 
     def recomputed_read_bytes(self, saved: Iterable[str],
                               itemsizes: Mapping[str, int] | None = None) -> int:
@@ -121,10 +133,14 @@ class LayerBackward:
                    if v not in params)
 
 
-def _layer_backward(body: Any, count: int, shards: int = 1) -> LayerBackward:
-    """The graph of one transposed remat body (`_trace.jaxpr_graph`): the cotangents are
-    unknown; of the residuals, those shaped like a cotangent are the layer's activations
-    (the carry), the others its parameters."""
+def _layer_backward(eqn: Any, count: int, outer: Sequence[tuple[Any, Any]] = (),
+                    shards: int = 1) -> LayerBackward:
+    """The graph of one transposed remat equation's body (`_trace.jaxpr_graph`): the
+    cotangents are unknown; of the residuals, those shaped like a cotangent are the
+    layer's activations (the carry), the others its parameters. `outer` are the
+    equations around it, outermost first, each with the jaxpr of it that holds the next
+    (`_remat_bodies`)."""
+    body = eqn.params["jaxpr"]
     n_ct = _cotangent_count(body)
     n_res = len(body.invars) - n_ct
     ct_avals = {(tuple(v.aval.shape), str(v.aval.dtype)) for v in body.invars[n_res:]}
@@ -133,16 +149,68 @@ def _layer_backward(body: Any, count: int, shards: int = 1) -> LayerBackward:
     graph = _trace.jaxpr_graph(body, unknown=[False] * n_res + [True] * n_ct,
                                activation=activation, shards=shards)
     tags = tuple(dict.fromkeys(v.role for v in graph.values.values() if v.role is not None))
-    return LayerBackward(graph, count, tags, graph.needed())
+    acts = [v for v, a in zip(eqn.invars, activation) if a] or list(eqn.invars[:n_res])
+    return LayerBackward(graph, count, tags, graph.needed(), _held(acts, outer, count))
 
 
-def _remat_bodies(jaxpr: Any, mult: int = 1) -> Iterable[tuple[Any, int]]:
+_VIEWS = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims",
+                    "broadcast_in_dim", "transpose", "copy", "copy_p", "reduce_precision",
+                    "sharding_constraint", "device_put"})
+"""Equations that pass a value on without computing a new one: a residual reached
+through them is still the one its jaxpr was given."""
+
+
+def _source(jaxpr: Any, var: Any) -> Any:
+    """`var` followed back through `_VIEWS` inside `jaxpr`: an input of it, or the output
+    of an equation that computes it there."""
+    made = {o: e for e in jaxpr.eqns for o in e.outvars}
+    while var in made and str(made[var].primitive) in _VIEWS and made[var].invars:
+        var = made[var].invars[0]
+    return var
+
+
+def _held(acts: Sequence[Any], outer: Sequence[tuple[Any, Any]], count: int) -> int:
+    """How many copies of a layer's residuals the step holds at once, of the `count` runs.
+
+    The residuals a transposed layer reads (`acts`: its activation inputs) are followed
+    out through the equations around it, innermost first. A scan whose body gets them as
+    a scanned-over input stacks one per iteration (a scanned stack's backward, the
+    forward's per-layer outputs); a scan that gets them as a constant or carry does not;
+    a scan whose body computes them itself, in every iteration, frees them before the
+    next one, and so does every scan around that (gradient accumulation: each
+    micro-batch's forward and backward run inside one iteration of its loop). Calls pass
+    them through; an equation whose inputs cannot be matched to its body's counts its
+    length, as the step's runs do."""
+    held, vars_ = count, [v for v in acts if isinstance(v, jcore.Var)]
+    for k in range(len(outer) - 1, -1, -1):
+        eqn, body = outer[k]
+        length = int(eqn.params.get("length", 1)) if str(eqn.primitive) == "scan" else 1
+        if not vars_ or len(body.invars) != len(eqn.invars):
+            return held
+        index = {v: i for i, v in enumerate(body.invars)}
+        found = [index.get(_source(body, v)) for v in vars_]
+        given = [i for i in found if i is not None]
+        stacked = length > 1 and any(i >= sum(scan_counts(eqn.params)) for i in given)
+        if not stacked and len(given) < len(found):  # computed in each iteration
+            return max(held // math.prod(
+                int(e.params.get("length", 1)) for e, _ in outer[:k + 1]
+                if str(e.primitive) == "scan"), 1)
+        if length > 1 and not stacked:
+            held //= length  # the same residuals in every iteration: held once
+        vars_ = [eqn.invars[i] for i in given if isinstance(eqn.invars[i], jcore.Var)]
+    return held
+
+
+def _remat_bodies(jaxpr: Any, mult: int = 1, outer: tuple[tuple[Any, Any], ...] = ()
+                  ) -> Iterable[tuple[Any, int, tuple[tuple[Any, Any], ...]]]:
+    """Each transposed remat equation in `jaxpr`, with how many times the step runs it and
+    the equations around it (`_layer_backward`'s `outer`)."""
     for eqn in jaxpr.eqns:
         if str(eqn.primitive) == "remat2" and eqn.params.get("differentiated"):
-            yield eqn.params["jaxpr"], mult
+            yield eqn, mult, outer
             continue
         for sub, m in _jaxpr._sub_jaxprs(eqn):
-            yield from _remat_bodies(sub, mult * m)
+            yield from _remat_bodies(sub, mult * m, (*outer, (eqn, sub)))
 
 
 @dataclass(frozen=True)
@@ -160,12 +228,20 @@ class StepGraph:
 
     @property
     def count(self) -> int:
+        """How many layer backwards the step runs (`LayerBackward.count`)."""
         return sum(layer.count for layer in self.layers)
+
+    @property
+    def depth(self) -> int:
+        """How many layers' residuals the step holds at once (`LayerBackward.held`): the
+        layers per core; `count` divides by it where a loop over micro-batches repeats
+        them."""
+        return sum(layer.held for layer in self.layers)
 
     def kept_bytes(self, saved: Iterable[str]) -> int:
         """Bytes every layer's residuals take, all layers together (JAX's count)."""
         s = tuple(saved)
-        return sum(layer.count * layer.graph.evaluate_roles(s).kept_bytes for layer in self.layers)
+        return sum(layer.held * layer.graph.evaluate_roles(s).kept_bytes for layer in self.layers)
 
     def stored_bytes(self, saved: Iterable[str]) -> int:
         """`kept_bytes` as the backend stores them (`itemsizes`): what the compiled step
@@ -173,7 +249,7 @@ class StepGraph:
         if not self.itemsizes:
             return self.kept_bytes(saved)
         s = tuple(saved)
-        return sum(layer.count * layer.stored_kept_bytes(layer.graph.evaluate_roles(s).kept,
+        return sum(layer.held * layer.stored_kept_bytes(layer.graph.evaluate_roles(s).kept,
                                                          self.itemsizes)
                    for layer in self.layers)
 
@@ -188,7 +264,7 @@ class StepGraph:
         total = 0
         for layer in self.layers:
             ev = layer.graph.evaluate(lambda v: True)
-            total += layer.count * (layer.stored_kept_bytes(ev.kept, self.itemsizes)
+            total += layer.held * (layer.stored_kept_bytes(ev.kept, self.itemsizes)
                                     if stored else ev.kept_bytes)
         return total
 
@@ -233,7 +309,8 @@ def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
                 "(make_step takes a JAX remat policy and returns the training step, which "
                 "is called with the args given)") from err
     shards = _shards([*shardings, *_constraints(closed.jaxpr)])
-    layers = [_layer_backward(body, m, shards) for body, m in _remat_bodies(closed.jaxpr)]
+    layers = [_layer_backward(eqn, m, outer, shards)
+              for eqn, m, outer in _remat_bodies(closed.jaxpr)]
     if not layers:
         raise ValueError(
             "make_step(policy) built a step with no checkpointed layer: its jaxpr holds no "

@@ -1,0 +1,133 @@
+"""Loops around the gradient: a step that runs each micro-batch's forward and backward in
+one iteration of a ``lax.scan`` or ``fori_loop`` (gradient accumulation, as MaxText,
+axlearn and ``optax.microbatching`` run it) repeats its layers' backward but holds one
+micro-batch's residuals at a time; a scanned stack of scanned groups holds every layer's.
+The step graph counts the runs for the recompute and the copies held for the bytes
+(`_step.LayerBackward.held`).
+
+Expected values: JAX's ``saved_residuals`` of one layer times the layers held, and the
+arrays XLA's compiled forward loop returns (`xla_figures.kept_against_xla`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.ad_checkpoint import saved_residuals
+from jax.ad_checkpoint import checkpoint_name as cn
+
+from neuron_remat._step import step_graph
+from xla_figures import kept_against_xla
+
+D, ROWS, LAYERS, GROUPS, MICRO = 128, 256, 3, 2, 4
+
+
+def _layer(x, w):
+    h = cn(jnp.tanh(x @ w), "h")
+    return x + cn(jnp.sin(h) @ w.T, "o")
+
+
+def _stack(policy, ws, x):
+    """A scanned stack of `_layer`; `ws` [LAYERS, D, D]."""
+    body = jax.checkpoint(_layer, policy=policy)
+    return jax.lax.scan(lambda h, w: (body(h, w), None), x, ws)[0]
+
+
+def _grouped(policy, ws, x):
+    """A scanned stack of scanned groups; `ws` [GROUPS, LAYERS, D, D]."""
+    return jax.lax.scan(lambda h, g: (_stack(policy, g, h), None), x, ws)[0]
+
+
+def _loss(stack):
+    return lambda policy: lambda ws, x: jnp.sum(stack(policy, ws, x) ** 2)
+
+
+def _plain(stack):
+    return lambda policy: jax.jit(jax.grad(_loss(stack)(policy)))
+
+
+def _accumulated(stack):
+    """The gradient summed over `MICRO` micro-batches, one per scan iteration."""
+    def make(policy):
+        grad = jax.grad(_loss(stack)(policy))
+
+        def step(ws, xs):
+            one = lambda acc, x: (acc + grad(ws, x), None)  # noqa: E731
+            return jax.lax.scan(one, jnp.zeros_like(ws), xs)[0]
+
+        return jax.jit(step)
+    return make
+
+
+def _indexed(stack):
+    """`_accumulated` as a ``fori_loop`` that takes each micro-batch by its index (as
+    ``optax.microbatching.microbatch`` does): the data is a constant of the loop."""
+    def make(policy):
+        grad = jax.grad(_loss(stack)(policy))
+
+        def step(ws, xs):
+            one = lambda i, acc: acc + grad(ws, xs[i])  # noqa: E731
+            return jax.lax.fori_loop(0, MICRO, one, jnp.zeros_like(ws))
+
+        return jax.jit(step)
+    return make
+
+
+def _per_layer(saved: tuple[str, ...]) -> int:
+    """What JAX keeps for one layer's backward under `saved`, its weights left out."""
+    f = jax.checkpoint(_layer, policy=jax.checkpoint_policies.save_only_these_names(*saved))
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize
+               for a, why in saved_residuals(f, jnp.ones((ROWS, D)), jnp.ones((D, D)))
+               if why != "from the argument w")
+
+
+X = jax.ShapeDtypeStruct((ROWS, D), jnp.float32)
+XS = jax.ShapeDtypeStruct((MICRO, ROWS, D), jnp.float32)
+W1 = jax.ShapeDtypeStruct((LAYERS, D, D), jnp.float32)
+W2 = jax.ShapeDtypeStruct((GROUPS, LAYERS, D, D), jnp.float32)
+CASES = {  # name: (make_step, args, runs, held)
+    "stack": (_plain(_stack), (W1, X), LAYERS, LAYERS),
+    "stack, accumulated": (_accumulated(_stack), (W1, XS), MICRO * LAYERS, LAYERS),
+    "stack, indexed": (_indexed(_stack), (W1, XS), MICRO * LAYERS, LAYERS),
+    "groups": (_plain(_grouped), (W2, X), GROUPS * LAYERS, GROUPS * LAYERS),
+    "groups, accumulated": (_accumulated(_grouped), (W2, XS), MICRO * GROUPS * LAYERS,
+                            GROUPS * LAYERS),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_loop_over_micro_batches_holds_one_micro_batchs_residuals(case):
+    make_step, args, runs, held = CASES[case]
+    g = step_graph(make_step, *args)
+    assert (g.count, g.depth) == (runs, held)
+    for saved in [(), ("h",), ("o",), ("h", "o")]:
+        assert g.kept_bytes(saved) == held * _per_layer(saved), saved
+    # the recompute counts every run: a layer's, times the runs
+    assert g.recompute_flops(()) == runs * g.layers[0].graph.evaluate_roles(()).recompute_flops
+
+
+def test_an_accumulated_steps_kept_bytes_are_what_xla_keeps():
+    """XLA's compiled forward loop of the accumulated stack returns what the graph keeps:
+    one micro-batch's residuals, for each tag and both."""
+    make_step, args, _, _ = CASES["stack, accumulated"]
+    got = kept_against_xla(make_step, args, step_graph(make_step, *args))
+    assert got["graph"] == got["xla"]
+    assert got["graph"]["h,o"] == LAYERS * (_per_layer(("h", "o")) - _per_layer(()))
+
+
+def test_fit_on_an_accumulated_step_says_the_layers_run_more_than_once():
+    """`fit`'s plan of the accumulated stack: its layers are the stack's, its kept bytes
+    one micro-batch's, and a note says the backward runs once per micro-batch."""
+    import neuron_remat as nr
+
+    make_step, args, _, _ = CASES["stack, accumulated"]
+    full = make_step(jax.checkpoint_policies.nothing_saveable).lower(*args).compile()
+    size = full.memory_analysis()
+    hbm = 4 * (size.argument_size_in_bytes + size.output_size_in_bytes
+               + size.temp_size_in_bytes)
+    device = nr.parse_device(f"trn2.48xlarge:hbm={hbm}B:cores=1", source="test")
+    plan = nr.fit(make_step, *args, device=device, reserve=0, candidates=["h", "o"])
+    assert plan.layers_per_core == LAYERS
+    assert plan.compiled.no_remat or plan.kept_bytes_per_layer == _per_layer(plan.saved_tags)
+    assert any(f"{MICRO:g} times" in n and "micro-batch" in n for n in plan.notes), plan.notes
