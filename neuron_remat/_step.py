@@ -57,11 +57,25 @@ def _depends(jaxpr: Any, seeds: set[Any]) -> tuple[set[Any], list[bool]]:
     return tainted, marks
 
 
-def _holds_a_tag(eqn: Any) -> bool:
-    """Whether `eqn` is a tag, or holds one in a jaxpr of its own (a scan's body, a
-    call's): what depends on its inputs then reaches a tag."""
-    return is_name_primitive(eqn.primitive) or any(
-        _trace._tags_in(sub) for sub, _ in _jaxpr._sub_jaxprs(eqn))
+def _tags_reached(eqn: Any, tainted: set[Any]) -> bool:
+    """Whether a tag depends on `eqn`'s inputs in `tainted`: `eqn` is a tag, or holds one in
+    a jaxpr of its own (a scan's body, a call's) that depends on them. A jaxpr whose inputs
+    are the equation's, one for one (a call, a remat, a scan), is followed in; any other
+    holding a tag counts as reached. (A checkpoint inside a checkpointed layer transposes
+    to a remat whose recomputation holds its tags and whose cotangent inputs feed none.)"""
+    if is_name_primitive(eqn.primitive):
+        return True
+    for sub, _ in _jaxpr._sub_jaxprs(eqn):
+        if not _trace._tags_in(sub):
+            continue
+        if len(sub.invars) != len(eqn.invars):
+            return True
+        seeds = {b for a, b in zip(eqn.invars, sub.invars)
+                 if isinstance(a, jcore.Var) and a in tainted}
+        reached, marks = _depends(sub, seeds)
+        if any(m and _tags_reached(e, reached) for m, e in zip(marks, sub.eqns)):
+            return True
+    return False
 
 
 def _cotangent_count(body: Any) -> int:
@@ -80,17 +94,21 @@ def _cotangent_count(body: Any) -> int:
     outs = [v for v in body.outvars if isinstance(v, jcore.Var)]
     found = 0
     for k in range(1, n):
-        _, marks = _depends(body, set(body.invars[n - k:]))
-        if any(m and _holds_a_tag(e) for m, e in zip(marks, body.eqns)):
+        tainted, marks = _depends(body, set(body.invars[n - k:]))
+        if any(m and _tags_reached(e, tainted) for m, e in zip(marks, body.eqns)):
             break
         found = k
     if found:
         tainted, _ = _depends(body, set(body.invars[n - found:]))
         if all(v in tainted for v in outs):
             return found
-    raise ValueError("cannot tell the output cotangents from the residuals in a layer's "
-                     "backward: no trailing inputs that the gradients depend on and no tag "
-                     "does")
+    raise _NotABackward("cannot tell the output cotangents from the residuals in a layer's "
+                        "backward: no trailing inputs that the gradients depend on and no "
+                        "tag does")
+
+
+class _NotABackward(ValueError):
+    """A remat equation with no output cotangents among its inputs (`_cotangent_count`)."""
 
 
 @dataclass(frozen=True)
@@ -309,8 +327,19 @@ def step_graph(make_step: Callable[[Any], Any], *args: Any) -> StepGraph:
                 "(make_step takes a JAX remat policy and returns the training step, which "
                 "is called with the args given)") from err
     shards = _shards([*shardings, *_constraints(closed.jaxpr)])
-    layers = [_layer_backward(eqn, m, outer, shards)
-              for eqn, m, outer in _remat_bodies(closed.jaxpr)]
+    layers, unread = [], []
+    for eqn, m, outer in _remat_bodies(closed.jaxpr):
+        try:
+            layers.append(_layer_backward(eqn, m, outer, shards))
+        except _NotABackward as err:
+            unread.append((eqn, err))
+    read = {t for layer in layers for t in layer.tags}
+    for eqn, err in unread:
+        # A checkpoint inside a checkpointed layer leaves a remat of its own in the
+        # forward pass (its primal half, no cotangents): its tags are the outer layer's,
+        # whose backward recomputes it. Any other such remat is a layer not read.
+        if not layers or not set(_trace._tags_in(eqn.params["jaxpr"])) <= read:
+            raise ValueError(str(err)) from None
     if not layers:
         raise ValueError(
             "make_step(policy) built a step with no checkpointed layer: its jaxpr holds no "

@@ -1,12 +1,15 @@
-"""Loops around the gradient: a step that runs each micro-batch's forward and backward in
-one iteration of a ``lax.scan`` or ``fori_loop`` (gradient accumulation, as MaxText,
-axlearn and ``optax.microbatching`` run it) repeats its layers' backward but holds one
-micro-batch's residuals at a time; a scanned stack of scanned groups holds every layer's.
-The step graph counts the runs for the recompute and the copies held for the bytes
-(`_step.LayerBackward.held`).
+"""Nesting around and inside a checkpointed layer. Loops around the gradient: a step that
+runs each micro-batch's forward and backward in one iteration of a ``lax.scan`` or
+``fori_loop`` (gradient accumulation, as MaxText, axlearn and ``optax.microbatching`` run
+it) repeats its layers' backward but holds one micro-batch's residuals at a time; a
+scanned stack of scanned groups holds every layer's. The step graph counts the runs for
+the recompute and the copies held for the bytes (`_step.LayerBackward.held`). A
+checkpoint inside a checkpointed layer leaves remats that are not a layer's backward,
+which the step graph tells apart.
 
-Expected values: JAX's ``saved_residuals`` of one layer times the layers held, and the
-arrays XLA's compiled forward loop returns (`xla_figures.kept_against_xla`)."""
+Expected values: JAX's ``saved_residuals`` of one layer times the layers held, the arrays
+XLA's compiled forward loop returns (`xla_figures.kept_against_xla`), and the FLOPs of the
+transposed jaxpr JAX builds for a save set."""
 
 from __future__ import annotations
 
@@ -131,3 +134,53 @@ def test_fit_on_an_accumulated_step_says_the_layers_run_more_than_once():
     assert plan.layers_per_core == LAYERS
     assert plan.compiled.no_remat or plan.kept_bytes_per_layer == _per_layer(plan.saved_tags)
     assert any(f"{MICRO:g} times" in n and "micro-batch" in n for n in plan.notes), plan.notes
+
+
+# --------------------------------------------------------------------------------------
+# A checkpoint inside a checkpointed layer.
+# --------------------------------------------------------------------------------------
+
+
+def _attention(x, w):
+    q = cn(x @ w, "q")
+    return cn(jax.nn.softmax(q @ x.T, axis=-1) @ x, "ctx")
+
+
+def _nested_layer(x, w):
+    """`_attention` under a checkpoint of its own (saving nothing), inside the layer."""
+    a = jax.checkpoint(_attention)(x, w)
+    return x + cn(jnp.tanh((x + a) @ w), "h") @ w.T
+
+
+def test_a_checkpoint_inside_a_checkpointed_layer_is_read():
+    """The inner checkpoint leaves a remat of its own in the forward pass (no cotangents:
+    it is not a layer's backward) and one inside the layer's backward. The graph reads the
+    layer; what it keeps for the inner checkpoint's output and a tag outside it is what
+    XLA's forward loop returns, and its recompute under each save set is what the
+    transposed jaxpr JAX builds for that set computes (`_jaxpr.jaxpr_cost`; XLA may merge
+    the layer's and the inner checkpoint's recomputations). Not yet: a tag inside the inner
+    checkpoint (``q``) is two values in the graph, the layer's recomputation and the inner
+    checkpoint's, and saving it counts both where JAX keeps one."""
+    from neuron_remat import _jaxpr
+    from neuron_remat._step import _traced
+
+    def make_step(policy):
+        def loss(ws, x):
+            body = jax.checkpoint(_nested_layer, policy=policy)
+            return jnp.sum(jax.lax.scan(lambda h, w: (body(h, w), None), x, ws)[0] ** 2)
+        return jax.jit(jax.grad(loss))
+
+    args = (W1, X)
+    g = step_graph(make_step, *args)
+    assert len(g.layers) == 1 and set(g.tags) == {"q", "ctx", "h"}
+    got = kept_against_xla(make_step, args, g, ["ctx", "h"])
+    assert got["graph"] == got["xla"], got
+    save = jax.checkpoint_policies.save_only_these_names
+
+    def jaxpr_flops(saved):
+        return _jaxpr.jaxpr_cost(_traced(make_step(save(*saved)), args)[0].jaxpr).flops
+
+    for saved in [("ctx",), ("h",), ("ctx", "h")]:
+        spared = g.recompute_flops(()) - g.recompute_flops(saved)
+        # the rounding of a saved value aside (one reduce_precision an element)
+        assert abs(spared - (jaxpr_flops(()) - jaxpr_flops(saved))) <= LAYERS * ROWS * D, saved
