@@ -41,6 +41,18 @@ the same path. The tags are axlearn's own, ``"<LayerClass>.<name>"`` from
 `moe_feed_forward_config`: Envy's ``expert_config``, set as common.py's ``config_sparse``
 sets a "sparse" layer, lines 312-318); `moe_layer` is that layer alone.
 
+``axlearn-fuji-ga2`` is ``axlearn-fuji`` over a global batch of 4 x 128 tokens with
+axlearn's own gradient accumulation in 2 micro-batches of ``axlearn-fuji``'s 2 x 128
+(`_accumulated_value_and_grad`): the trainer's forward function (``SpmdTrainer._train_step``'s
+``_forward``, trainer.py 1305-1318, a ``ForwardFn``) decorated by ``with_minibatch_steps(
+steps=2, metric_accumulator=MetricAccumulator.default_config())``
+(``axlearn/common/gradient_accumulation.py`` 96-351), as the ``Learner``'s
+``forward_fn_transformation`` (learner.py 186-191, 211-214), its gradient taken by the
+learner's ``_value_and_grad`` (learner.py 710-752). The decorator's ``jax.custom_vjp``
+computes the gradient in its forward pass: a ``jax.lax.scan`` over the micro-batches whose
+body runs ``jax.value_and_grad`` of the forward function, so each layer's backward runs
+twice (once a micro-batch) while one micro-batch's residuals are alive at a time.
+
 `STEPS` follows tests/cpu/zoo.py's `Spec` protocol (name, split, note, extra, scan,
 ``make_step()`` -> ``policy -> jitted step``, ``abstract_args()``), so
 benchmarks/fit_sweep.py's machinery runs on it.
@@ -263,6 +275,10 @@ class AxlearnSpec:
     trn2: bool = False
     """Fuji's TRN2 layout (`model_config`'s `trn2`), the state split as the parameters'
     partition specs say (as axlearn's trainer lays it out)."""
+    minibatch_steps: int = 0
+    """Above 0, the step accumulates gradients over that many micro-batches as axlearn's
+    ``Learner`` does when its ``forward_fn_transformation`` is ``with_minibatch_steps``
+    (`_make`); the batch of `sizes` is the global batch, split among them."""
 
     def _model(self, policy: Any) -> Any:
         return model_config(self.sizes, policy, self.prevent_cse, self.rope, self.flash,
@@ -369,15 +385,81 @@ def _make(spec: AxlearnSpec, policy: Any) -> Any:
                                   inputs=dict(input_batch=batch), is_training=True)
         return loss
 
+    value_and_grad = (_accumulated_value_and_grad(model, spec.minibatch_steps)
+                      if spec.minibatch_steps else jax.value_and_grad(loss_fn))
+
     def step(state: Any, batch: Any) -> tuple[Any, Any]:
         params, opt = state
         with mesh(spec.devices, spec.model) if spec.flash or spec.devices > 1 \
                 else contextlib.nullcontext():
-            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            loss, grads = value_and_grad(params, batch)
         updates, opt = tx.update(grads, opt, params)
         return (optax.apply_updates(params, updates), opt), loss
 
     return jax.jit(step, donate_argnums=(0,))
+
+
+def _accumulated_value_and_grad(model: Any, steps: int) -> Callable[[Any, Any], Any]:
+    """``(params, batch) -> (loss, grads)`` through axlearn's own gradient accumulation, as
+    ``SpmdTrainer._train_step`` and ``Learner.forward_and_backward`` run it:
+
+    * the forward function is the trainer's ``_forward`` (trainer.py 1305-1318: a
+      ``ForwardFn``, ``fn(*, model_params, inputs) -> ForwardOutputs``; ``ForwardFn`` and
+      ``ForwardOutputs`` at update_transformation.py 317-347): the parameters cast to
+      bfloat16 (``train_cast``), ``apply_parameter_noise_recursively`` (none configured),
+      the model called with ``inputs["forward_key"]`` in training mode; here under
+      ``functional`` (module.py 1212) rather than the trainer's ``child_context``, which
+      needs the trainer's invocation context around it;
+    * ``Learner.Config.forward_fn_transformation`` is ``config_for_function(
+      with_minibatch_steps).set(steps=steps, metric_accumulator=MetricAccumulator.
+      default_config())``, as learner.py 186-191 suggests, instantiated as ``Learner.
+      __init__`` does (``maybe_instantiate``, learner.py 211-214): a ``jax.custom_vjp``
+      whose forward scans ``jax.value_and_grad`` of the forward function over the
+      micro-batches and sums the gradients (gradient_accumulation.py 96-351; the batch
+      split by ``reshape_for_scan``, 175-202, the scan body 241-282, the scan 284-288);
+    * the gradient is ``learner._value_and_grad`` of the decorated function (learner.py
+      710-752, as ``Learner.forward_and_backward`` calls it, 359-367), every parameter an
+      ``OptParam`` with gradients (``should_compute_gradients`` all True);
+    * the inputs are the trainer's (trainer.py 1295-1297, 1332-1336): ``input_batch``,
+      ``forward_key`` and ``param_noise_key`` split from one key."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    from axlearn.common import utils  # noqa: PLC0415
+    from axlearn.common.config import config_for_function, maybe_instantiate  # noqa: PLC0415
+    from axlearn.common.gradient_accumulation import with_minibatch_steps  # noqa: PLC0415
+    from axlearn.common.learner import _value_and_grad  # noqa: PLC0415
+    from axlearn.common.metrics import MetricAccumulator  # noqa: PLC0415
+    from axlearn.common.module import functional  # noqa: PLC0415
+    from axlearn.common.optimizer_base import OptParam  # noqa: PLC0415
+    from axlearn.common.update_transformation import ForwardOutputs  # noqa: PLC0415
+
+    def forward(*, model_params: Any, inputs: Any) -> Any:
+        # trainer.py 1305-1318 (train_cast as in `_make`'s loss_fn)
+        params = utils.cast_floats(model_params, to_dtype=jnp.bfloat16)
+        params = model.apply_parameter_noise_recursively(inputs["param_noise_key"], params)
+        (loss, aux), collection = functional(
+            model, prng_key=inputs["forward_key"], state=params,
+            inputs=dict(input_batch=inputs["input_batch"]),
+            is_training=True)
+        return ForwardOutputs(loss=loss, aux=aux, output_collection=collection)
+
+    accumulate = maybe_instantiate(config_for_function(with_minibatch_steps).set(
+        steps=steps, metric_accumulator=MetricAccumulator.default_config()))
+    forward_fn = accumulate(forward)
+
+    def value_and_grad(params: Any, batch: Any) -> tuple[Any, Any]:
+        # trainer.py 1295-1297: the keys split from the step's key
+        _, param_noise_key, forward_key, _ = jax.random.split(jax.random.PRNGKey(1), 4)
+        updates = _value_and_grad(
+            forward_fn,
+            opt_params=jax.tree.map(lambda p: OptParam(value=p, factorization_spec=None,
+                                                       weight_decay_scale=1.0), params),
+            inputs=dict(input_batch=batch, forward_key=forward_key,
+                        param_noise_key=param_noise_key),
+            should_compute_gradients=jax.tree.map(lambda _: True, params))
+        return updates.forward_pass["default"].outputs.loss, updates.delta_updates
+
+    return value_and_grad
 
 
 _FUJI = ("axlearn's causal_lm.Model as Fuji configures it (RepeatedTransformerLayer of 4 "
@@ -399,6 +481,13 @@ STEPS: dict[str, AxlearnSpec] = {s.name: s for s in [
         "axlearn-fuji-norope", SIZES, prevent_cse=False, rope=False,
         note=_FUJI + "; no RoPE (FusedGroupedQKVLinear alone); RematSpec(prevent_cse=False)"),
     AxlearnSpec(
+        "axlearn-fuji-ga2", dict(SIZES, batch=4), prevent_cse=False, rope=True,
+        minibatch_steps=2,
+        note=_FUJI + "; RoPE; axlearn's gradient accumulation: the trainer's forward "
+             "function decorated by with_minibatch_steps(steps=2, MetricAccumulator) as "
+             "the Learner's forward_fn_transformation, 4 x 128 tokens in 2 micro-batches "
+             "of 2 x 128"),
+    AxlearnSpec(
         "axlearn-fuji-moe", MOE_SIZES, prevent_cse=False, rope=True, moe="TopKGating",
         note=_FUJI + "; RoPE; every layer's feed-forward axlearn's TransformerFeedForwardMoE "
              "(TopKGating, 4 SwiGLU experts of 512, top 2, 2 groups, capacity factor 2)"),
@@ -408,7 +497,9 @@ embedding included: ``rotate_half``'s strided slices, attention.py 1337-1338, ar
 JAX 0.8.3, so the layer's backward holds scatter-adds); ``axlearn-fuji-norope`` drops
 ``RoFormerQKVLinear``, a structurally different attention; ``axlearn-fuji-moe`` is
 ``axlearn-fuji`` with every layer's feed-forward axlearn's ``TransformerFeedForwardMoE``
-(`MOE_SIZES`, routed by ``TopKGating``: `moe_layer_config`'s layer, in the stack)."""
+(`MOE_SIZES`, routed by ``TopKGating``: `moe_layer_config`'s layer, in the stack);
+``axlearn-fuji-ga2`` is ``axlearn-fuji``'s model over twice its batch through axlearn's
+gradient accumulation in 2 micro-batches (``with_minibatch_steps``)."""
 
 SHARDED: dict[str, AxlearnSpec] = {s.name: s for s in [
     AxlearnSpec(

@@ -74,6 +74,12 @@ was looked at while `fit`'s search constants were tuned:
   a gated RMSNorm and the output projection; weights held as arrays, stacked with
   ``eqx.filter_vmap`` and run with ``jax.lax.scan`` over ``jax.checkpoint``; bfloat16;
   the embedding tied; clipped ``optax.adamw``; donated.
+* ``eqx-llama-accum4`` -- ``eqx-llama``'s model trained with **gradient accumulation** by
+  optax's own ``optax.microbatching.microbatch`` around ``jax.value_and_grad`` (a
+  ``lax.fori_loop`` over 4 micro-batches of 2 sequences, each taken from the batch by its
+  index; each one's forward and backward inside an iteration; loss and gradients
+  averaged), then clipped ``optax.adamw``; donated. It runs each layer's backward 16 times
+  but holds one micro-batch's residuals at a time.
 
 Tag names follow each library's idiom and differ from zoo.py's (GPT-2 checkpoint paths,
 dotted module paths, ``Class.attr``, a pure-JAX user's ``branch.layer``, slash-separated
@@ -416,6 +422,49 @@ class EqxLlamaStep(_EqxLanguageModelStep):
 
     def _tx(self) -> optax.GradientTransformation:
         return optax.adafactor(1e-3)
+
+
+@dataclass(frozen=True)
+class EqxLlamaAccumStep(EqxLlamaStep):
+    """Equinox LLaMA as `EqxLlamaStep`, trained with gradient accumulation by optax's own
+    ``optax.microbatching.microbatch`` around ``jax.value_and_grad``: a ``lax.fori_loop``
+    over the `microbatches` (each one taken from the batch by its index) runs each one's
+    forward and backward and averages the loss and gradients; the mean gradient then goes
+    through clipped AdamW. Each micro-batch's residuals are freed before the next one's
+    forward."""
+
+    cfg: LlamaConfig = LlamaConfig(batch=8)
+    microbatches: int = 4
+
+    def _tx(self) -> optax.GradientTransformation:
+        return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4))
+
+    def make_step(self) -> Callable[[Any], Any]:
+        from optax import microbatching  # noqa: PLC0415
+
+        tx, static, c = self._tx(), self._static(), self.cfg
+
+        def make(policy: Any) -> Any:
+            def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
+                model = eqx.combine(params, static)
+                logits = jax.vmap(lambda t: model(t, policy))(tokens[:, :-1])
+                return optax.softmax_cross_entropy_with_integer_labels(
+                    logits, tokens[:, 1:]).mean()
+
+            value_and_grad = microbatching.microbatch(
+                jax.value_and_grad(loss_fn), argnums=1,
+                microbatch_size=c.batch // self.microbatches,
+                accumulator=microbatching.AccumulationType.MEAN)
+
+            def train_step(state: Any, tokens: jax.Array) -> tuple[Any, jax.Array]:
+                params, opt_state = state
+                loss, grads = value_and_grad(params, tokens)
+                updates, opt_state = tx.update(grads, opt_state, params)
+                return (eqx.apply_updates(params, updates), opt_state), loss
+
+            return jax.jit(train_step, donate_argnums=0)
+
+        return make
 
 
 # ======================================================================================
@@ -1128,6 +1177,13 @@ STEPS: dict[str, Any] = {s.name: s for s in [
         note="Equinox LLaMA: filter_vmap-stacked layers, lax.scan over jax.checkpoint x4, "
              "hidden 128, GQA 8:2, interleaved rotary before the tags, SwiGLU 352, bf16 "
              "params and activations, optax.adafactor, donated; 7 tags"),
+    EqxLlamaAccumStep(
+        "eqx-llama-accum4",
+        note="Equinox LLaMA as eqx-llama, trained with gradient accumulation by "
+             "optax.microbatching.microbatch around jax.value_and_grad (a fori_loop over 4 "
+             "micro-batches of 2 sequences, each one's forward and backward inside an "
+             "iteration, loss and gradients averaged), then clipped optax.adamw; bf16, "
+             "donated; 7 tags"),
     NnxParallelStep(
         "nnx-parallel",
         note="Flax nnx parallel blocks: nnx.scan(nnx.remat) x6, hidden 96, 6 query heads "

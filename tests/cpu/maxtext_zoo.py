@@ -302,6 +302,13 @@ STEPS: dict[str, MaxTextSpec] = {s.name: s for s in [
              "scanned layers, bf16 activations, MaxText's cross entropy, AdamW, donated "
              "state, 1-device CPU mesh"),
     MaxTextSpec(
+        "maxtext-llama2-ga2", {**CONFIG, "gradient_accumulation_steps": 2,
+                               "per_device_batch_size": 4},
+        note=f"MaxText {MAXTEXT_VERSION}'s train_step as maxtext-llama2 with gradient "
+             "accumulation over 2 micro-batches of 2 (MaxText's own: a lax.scan over the "
+             "micro-batches, each one's forward and backward in one iteration), AdamW, "
+             "donated state, 1-device CPU mesh"),
+    MaxTextSpec(
         "maxtext-mixtral", {**CONFIG, "decoder_block": "mixtral", **MOE},
         layer=("mixtral", "MixtralDecoderLayer"),
         note=f"MaxText {MAXTEXT_VERSION}'s train_step with the mixtral block: 4 experts, "

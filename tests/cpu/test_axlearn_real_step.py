@@ -19,7 +19,10 @@ the trace once took for a program of its own and refused; one step has axlearn's
   and its kept bytes on every save set of none, all, one and all but one equal to
   ``saved_residuals``'s;
 * in Fuji-70B's TRN2 layout over 8 devices, per core, the kept bytes of each tag alone
-  and all together are what XLA's partitioned program keeps on one device.
+  and all together are what XLA's partitioned program keeps on one device;
+* through axlearn's own gradient accumulation (``with_minibatch_steps``, 2 micro-batches),
+  each layer's backward runs twice but its residuals are held once, and the kept bytes of
+  4 tags alone and together are what XLA's program keeps for one micro-batch.
 """
 
 from __future__ import annotations
@@ -210,11 +213,36 @@ def test_trn2_layout_counts_each_tag_as_xla_partitions_it():
     assert all(v > 0 for k, v in got["xla"].items() if "proj" in k or "linear1" in k), got
 
 
+def test_ga2_axlearns_gradient_accumulation_runs_each_layer_twice_holds_it_once():
+    """``axlearn-fuji-ga2``: axlearn's ``with_minibatch_steps(steps=2)`` around the
+    trainer's forward function (a ``jax.custom_vjp`` whose forward scans the micro-batches'
+    forward and backward). The step runs each of the 4 scanned layers' backward once a
+    micro-batch (count 8) but holds one micro-batch's residuals at a time (depth 4), and the
+    graph's kept bytes over full remat, of 4 tags alone and together, are what XLA's
+    compiled program keeps: the arrays its first ``while`` loop, the layer stack's forward
+    scan inside the accumulation loop's body, returns for one micro-batch."""
+    import importlib
+
+    from xla_figures import kept_against_xla
+
+    G = importlib.import_module("neuron_remat._step")
+    spec = az.STEPS["axlearn-fuji-ga2"]
+    make_step, args = spec.make_step(), spec.abstract_args()
+    graph = G.step_graph(make_step, *args)
+    assert [(layer.count, layer.held) for layer in graph.layers] == [(8, 4)]
+    assert (graph.count, graph.depth) == (8, 4)
+    tags = ["GroupedQueryAttention.q_proj", "GroupedQueryAttention.k_proj",
+            "GroupedQueryAttention.context", "TransformerFeedForwardLayer.linear1_0"]
+    got = kept_against_xla(make_step, args, graph, tags)
+    assert got["graph"] == got["xla"], got
+    assert all(v > 0 for v in got["xla"].values()), got
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name,extra", [
     ("axlearn-fuji", []), ("axlearn-fuji-flash", []), ("axlearn-fuji-norope", []),
     ("axlearn-fuji-moe", []), ("axlearn-fuji-flash-fsdp8", ["--host-devices", "8"]),
-    ("axlearn-fuji-trn2-tp4", ["--host-devices", "8"])])
+    ("axlearn-fuji-trn2-tp4", ["--host-devices", "8"]), ("axlearn-fuji-ga2", [])])
 def test_the_readme_figures_of_fit_are_the_sweep_of_the_committed_table(name, extra,
                                                                           tmp_path):
     """`benchmarks/axlearn_fit.py --bare-oracle` on a fresh cache, filled from the step's

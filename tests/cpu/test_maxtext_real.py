@@ -218,6 +218,24 @@ def test_fit_between_full_and_no_remat(step):
     _check_plan(plan, make_step, args, hbm)
 
 
+def test_maxtext_gradient_accumulation_holds_one_micro_batch():
+    """MaxText's own gradient accumulation (``gradient_accumulation_steps=2``: a
+    ``lax.scan`` over the micro-batches, each one's forward and backward in an iteration):
+    the step graph runs each of the 4 layers twice but holds 4 layers' residuals, and what
+    it keeps for each of four tags alone and together is what XLA's compiled forward loop
+    returns."""
+    from neuron_remat._step import step_graph
+    from xla_figures import kept_against_xla
+
+    spec = mz.STEPS["maxtext-llama2-ga2"]
+    make_step, args = spec.make_step(), spec.abstract_args()
+    graph = step_graph(make_step, *args)
+    assert (graph.count, graph.depth) == (8, 4)
+    got = kept_against_xla(make_step, args, graph,
+                           ["query_proj", "key_proj", "out_proj", "mlpwi_0"])
+    assert got["graph"] == got["xla"], got
+
+
 @pytest.mark.slow
 def test_fit_against_the_compiled_brute_force(step):
     """At the `SIZES`: the plan fits, states its compile, is within 2 points of step FLOPs
@@ -264,7 +282,7 @@ def test_fit_against_the_compiled_brute_force(step):
 
 
 @pytest.mark.parametrize("name,extra", [
-    ("maxtext-llama2", []), ("maxtext-mixtral", ["--tags", "7"]),
+    ("maxtext-llama2", []), ("maxtext-mixtral", ["--tags", "7"]), ("maxtext-llama2-ga2", []),
     pytest.param("maxtext-llama2-fsdp8", ["--host-devices", "8"], marks=pytest.mark.slow),
     pytest.param("maxtext-llama2-fsdp2tp4", ["--host-devices", "8"], marks=pytest.mark.slow)])
 def test_the_readme_figures_of_fit_are_the_sweep_of_the_committed_table(name, extra,
