@@ -146,9 +146,9 @@ class LayerBackward:
     def stored_kept_bytes(self, kept: Iterable[str], itemsizes: Mapping[str, int]) -> int:
         """What an evaluation's `kept` values take (parameters count nothing, as in
         `LayerGraph.evaluate`), at `itemsizes` per element where given."""
-        params = set(self.graph.params)
-        return sum(self.graph.values[v].bytes_as(itemsizes) for v in kept
-                   if v not in params)
+        params, values = set(self.graph.params), self.graph.values
+        stored = dict.fromkeys(values[v].same_as or v for v in kept if v not in params)
+        return sum(values[v].bytes_as(itemsizes) for v in stored)
 
 
 def _layer_backward(eqn: Any, count: int, outer: Sequence[tuple[Any, Any]] = (),
@@ -165,7 +165,7 @@ def _layer_backward(eqn: Any, count: int, outer: Sequence[tuple[Any, Any]] = (),
     activation = [(tuple(v.aval.shape), str(v.aval.dtype)) in ct_avals
                   for v in body.invars[:n_res]] + [False] * n_ct
     graph = _trace.jaxpr_graph(body, unknown=[False] * n_res + [True] * n_ct,
-                               activation=activation, shards=shards)
+                               activation=activation, shards=shards, nested=True)
     tags = tuple(dict.fromkeys(v.role for v in graph.values.values() if v.role is not None))
     acts = [v for v, a in zip(eqn.invars, activation) if a] or list(eqn.invars[:n_res])
     return LayerBackward(graph, count, tags, graph.needed(), _held(acts, outer, count))

@@ -87,6 +87,7 @@ _LOOPS = {"scan", "while", "cond"}
 # (`jc.JIT_COPIES_OPERAND_RESIDUALS`), and calls JAX's remat recomputes whole (they have no
 # partial evaluation rule: nothing inside them is split, so no copy is made there).
 _JITS = {"pjit", "jit"}
+_REMATS = {"checkpoint", "remat2", "remat"}
 _WHOLE = {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
 
 
@@ -171,7 +172,8 @@ class Built:
 
 
 def jaxpr_graph(jaxpr: Any, *, unknown: Sequence[bool],
-                activation: Sequence[bool] | None = None, shards: int = 1) -> LayerGraph:
+                activation: Sequence[bool] | None = None, shards: int = 1,
+                nested: bool = False) -> LayerGraph:
     """The `LayerGraph` of a jaxpr split into a known (primal) and an unknown part.
 
     `unknown[i]` says whether invar i is unknown (a tangent or cotangent) or known (a primal
@@ -207,13 +209,18 @@ def jaxpr_graph(jaxpr: Any, *, unknown: Sequence[bool],
     jit over several devices, whose jaxpr has global shapes): each value outside a
     ``shard_map`` body counts 1/`shards` of its bytes and each op 1/`shards` of its
     FLOPs, per core (`Value.shards`).
+
+    `nested`: `jaxpr` is a layer's transposed remat body, in which a checkpoint inside the
+    layer is a remat of its own that recomputes its part of the layer again: a value it
+    recomputes by the same equation on the same inputs as the layer's recomputation is the
+    same residual to JAX (`Value.same_as`).
     """
-    return _build(jaxpr, unknown, activation, shards=shards).graph
+    return _build(jaxpr, unknown, activation, shards=shards, nested=nested).graph
 
 
 def _build(jaxpr: Any, unknown: Sequence[bool],
            activation: Sequence[bool] | None, remat3: bool = False,
-           jit_copies: bool = False, shards: int = 1) -> Built:
+           jit_copies: bool = False, shards: int = 1, nested: bool = False) -> Built:
     """`jaxpr_graph`'s build. `remat3`: model ``jax_remat3``'s remat, which hoists nothing
     out of a scan and rounds every residual, a scan's too (`_ScanValue`, `level`).
     `jit_copies`: `jaxpr` is a JVP that JAX's remat has yet to split (not a remat body it
@@ -241,6 +248,12 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
     whole = [0]  # depth inside calls JAX's remat recomputes whole (`_WHOLE`)
     jit_copies = jit_copies and jc.JIT_COPIES_OPERAND_RESIDUALS
     depth: dict[str, int] = {}  # a value's scan depth: how many scans' lengths stack it
+    # `nested`: each known equation's outputs by (equation, its inputs as first computed),
+    # and a value recomputed inside an inner transposed remat -> the first one
+    computed: dict[tuple[Any, ...], list[str]] | None = {} if nested and any(
+        str(e.primitive) in _REMATS for e, _ in _walk(jaxpr)) else None
+    first: dict[str, str] = {}
+    inner = [0]  # depth inside inner transposed remats
 
     def fresh(aval: Any, lead: tuple[int, ...], prefix: str = "v", role: str | None = None,
               eqn: Any = None, in_scan: bool | None = None, spread: int = shards) -> str:
@@ -321,6 +334,30 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
             ops.append(Op(f"{label or prim}:{len(ops)}", tuple(dict.fromkeys(present)),
                           outs[0], _per_core(flops * math.prod(lead), scope.shards),
                           more_outputs=tuple(outs[1:])))
+            if computed is not None:
+                same(eqn, ins, outs, lead)
+
+    def same(eqn: Any, ins: list[str | None], outs: list[str], lead: tuple[int, ...]) -> None:
+        """`nested`: mark `outs` the same as an earlier equation's, where inside an inner
+        transposed remat the same equation reads the same values (`Value.same_as`)."""
+        assert computed is not None
+        try:
+            key = (str(eqn.primitive), repr(sorted(eqn.params.items())), lead,
+                   tuple(first.get(n, n) if n is not None else repr(a)
+                         for n, a in zip(ins, eqn.invars)))
+        except Exception:  # noqa: BLE001  parameters without a stable repr: never merged
+            return
+        earlier = computed.get(key)
+        if earlier is None:
+            computed[key] = outs
+            return
+        if not inner[0] or len(earlier) != len(outs):
+            return
+        for new, old in zip(outs, earlier):
+            first[new] = old
+            v, w = values[new], values.get(old)
+            if w is not None and v.role is not None and v.role == w.role:
+                values[new] = dataclasses.replace(v, same_as=old)
 
     def jit_operand(name: str | None) -> str | None:
         """JAX < 0.9: a known value entering a jit, where the jit's backward reads it, is
@@ -448,8 +485,13 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
                 if prim in _JITS and jit_copies and not whole[0]:
                     ins = [jit_operand(n) for n in ins]
                 whole[0] += prim in _WHOLE
-                inner = dataclasses.replace(scope, shards=1) if prim == "shard_map" else scope
-                env.update(zip(eqn.outvars, inline(sub, ins, inner)))
+                again = (computed is not None and prim in _REMATS
+                         and any(n is not None and n in unk for n in ins))
+                inner[0] += again
+                in_scope = dataclasses.replace(scope, shards=1) if prim == "shard_map" \
+                    else scope
+                env.update(zip(eqn.outvars, inline(sub, ins, in_scope)))
+                inner[0] -= again
                 whole[0] -= prim in _WHOLE
             elif prim == "scan":
                 scan(eqn, ins, env, scope)

@@ -41,6 +41,11 @@ class Value:
     # rounding is the value's (one reduce_precision, counted once however many of the two
     # are kept), and without remat the value itself is kept.
     copy_of: str | None = None
+    # The value a checkpoint inside a checkpointed layer recomputes again (`_trace`): the same
+    # computation on the same inputs as this one of the layer's own recomputation. JAX keeps
+    # one residual for both, so kept together they count once (bytes and rounding); each is
+    # still recomputed where it is read.
+    same_as: str | None = None
     # How many devices `shape` is spread over: a value of a program the compiler partitions
     # (a jit over several devices) has its global shape here, and a core holds 1/shards of
     # it (`_trace`: the step's devices; 1 inside a shard_map, whose shapes are per shard).
@@ -202,13 +207,15 @@ class LayerGraph:
             op = self._by_name[item]
             stack.extend(f"value:{v}" for v in op.inputs)
         params = set(self.params)
-        kept_bytes = sum(self.values[v].bytes for v in kept if v not in params)
+        stored = dict.fromkeys(self.values[v].same_as or v for v in kept if v not in params)
+        kept_bytes = sum(self.values[v].bytes for v in stored)
         flops = sum(o.flops for o in self.ops if o.name in recomputed)
         if self.moved:  # see the class docstring
             forward = self.ancestors(v for v in kept if v not in held)
             flops -= sum(self._by_name[o].flops for o in self.moved - forward)
         if self.round_saved:  # one rounding per value, a jit's copy of it (`copy_of`) too
-            rounded = dict.fromkeys(self.values[v].copy_of or v for v in kept if v not in held)
+            rounded = dict.fromkeys(self.values[v].copy_of or self.values[v].same_as or v
+                                    for v in kept if v not in held)
             flops += sum(self.values[v].rounding_flops for v in rounded)
         order = [o.name for o in self.ops]
         return Evaluation(kept_bytes, flops,
@@ -286,6 +293,8 @@ class Closures:
     memo: dict[int, tuple[int, int, int]]  # saved mask -> (bytes, flops, segment mask)
     copy_atoms: tuple[tuple[int, int], ...] = ()  # (mask of a value and its jit copy, the
     # rounding counted twice when both are kept: `Value.copy_of`)
+    same_atoms: tuple[tuple[int, int, int], ...] = ()  # (mask of a value and those
+    # `Value.same_as` it, its bytes, its rounding): counted once however many are kept
 
     @classmethod
     def of(cls, graph: LayerGraph) -> Closures:
@@ -355,12 +364,22 @@ class Closures:
             ((1 << i) | (1 << index[v.copy_of]), v.rounding_flops)
             for n, i in index.items() for v in [graph.values[n]]
             if graph.round_saved and v.copy_of in index and v.rounding_flops)
+        groups: dict[str, int] = {}
+        for n, i in index.items():
+            first = graph.values[n].same_as
+            if first is not None and first in index:
+                groups[first] = groups.get(first, 1 << index[first]) | 1 << i
+        same_atoms = tuple(
+            (mask, graph.values[n].bytes,
+             graph.values[n].rounding_flops if graph.round_saved else 0)
+            for n, mask in groups.items())
         return cls(tagged, role_masks, tuple(segments),
                    tuple(graph.values[n].bytes for n in tagged),
                    tuple(graph.values[n].rounding_flops if graph.round_saved else 0
                          for n in tagged),
                    tuple(op_atoms.items()), tuple(held_atoms.items()),
-                   sum(moved_atoms.values()), tuple(moved_atoms.items()), {}, copy_atoms)
+                   sum(moved_atoms.values()), tuple(moved_atoms.items()), {}, copy_atoms,
+                   same_atoms)
 
     def mask(self, roles: Iterable[str]) -> int:
         out = 0
@@ -390,6 +409,11 @@ class Closures:
             flops -= self.moved_flops - sum(f for sig, f in self.moved_atoms if sig & kept)
         flops += sum(self.tag_flops[i] for i in _bits(kept))
         flops -= sum(f for both, f in self.copy_atoms if kept & both == both)
+        for group, b, f in self.same_atoms:
+            extra = (kept & group).bit_count() - 1
+            if extra > 0:
+                nbytes -= extra * b
+                flops -= extra * f
         out = (nbytes, flops, segs)
         if len(self.memo) < MEMO_LIMIT:
             self.memo[saved] = out
