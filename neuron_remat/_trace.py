@@ -253,6 +253,7 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
     computed: dict[tuple[Any, ...], list[str]] | None = {} if nested and any(
         str(e.primitive) in _REMATS for e, _ in _walk(jaxpr)) else None
     first: dict[str, str] = {}
+    tagged_from: dict[str, str] = {}  # a tag's value -> the value it names
     inner = [0]  # depth inside inner transposed remats
 
     def fresh(aval: Any, lead: tuple[int, ...], prefix: str = "v", role: str | None = None,
@@ -341,12 +342,22 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
         """`nested`: mark `outs` the same as an earlier equation's, where inside an inner
         transposed remat the same equation reads the same values (`Value.same_as`)."""
         assert computed is not None
+
+        def canon(n: str) -> str:  # through earlier copies and tags (a tag is the identity)
+            while n in first or n in tagged_from:
+                n = first[n] if n in first else tagged_from[n]
+            return n
+
         try:
+            # a literal by its value; a constant a call's literal operand became, by type
             key = (str(eqn.primitive), repr(sorted(eqn.params.items())), lead,
-                   tuple(first.get(n, n) if n is not None else repr(a)
+                   tuple(canon(n) if n is not None else
+                         repr(a) if isinstance(a, jc.Literal) else f"const:{a.aval}"
                          for n, a in zip(ins, eqn.invars)))
         except Exception:  # noqa: BLE001  parameters without a stable repr: never merged
             return
+        if tag_of(eqn) is not None and ins and ins[0] is not None:
+            tagged_from[outs[0]] = canon(ins[0])
         earlier = computed.get(key)
         if earlier is None:
             computed[key] = outs

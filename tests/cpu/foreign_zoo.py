@@ -10,6 +10,11 @@ was looked at while `fit`'s search constants were tuned:
   ``c_proj``, a GELU MLP (4x), tied input/output embedding; the blocks are
   ``nn.scan(nn.remat(Block, policy=policy))`` (parameters stacked on axis 0 by
   ``nn.scan``); float32; ``optax.adamw``; the state (parameters, optimizer state) donated.
+* ``linen-gpt2-nested`` -- ``linen-gpt2`` with the attention's heads (scores, softmax,
+  weighted sum) under a ``jax.checkpoint`` of their own inside the block's ``nn.remat``, as
+  a user checkpoints the costliest part of a layer again: a checkpoint inside a
+  checkpointed layer, which recomputes ``h/attn/attn_weights`` a second time in the
+  backward.
 * ``eqx-llama`` -- an **Equinox** LLaMA-style decoder: ``eqx.nn.RMSNorm``, GQA (8 query
   heads over 2 KV heads), interleaved-pair rotary embedding (GPT-J/LLaMA-reference style,
   not zoo.py's rotate-half) applied *before* the tags, SwiGLU MLP; per-token
@@ -162,6 +167,9 @@ class GPT2Config:
     n_head: int = 4
     n_layer: int = 4
     batch: int = 2
+    # the attention's heads (scores, softmax, weighted sum) under a jax.checkpoint of their
+    # own, inside the block's nn.remat (linen-gpt2-nested)
+    checkpoint_heads: bool = False
 
 
 class GPT2Block(nn.Module):
@@ -176,14 +184,19 @@ class GPT2Block(nn.Module):
         hd = d // c.n_head
         h = nn.LayerNorm(epsilon=1e-5, name="ln_1")(x)
         qkv = checkpoint_name(nn.Dense(3 * d, name="c_attn")(h), "h/attn/c_attn")
-        q, k, v = jnp.split(qkv, 3, axis=-1)
-        q, k, v = (a.reshape(b, t, c.n_head, hd).transpose(0, 2, 1, 3) for a in (q, k, v))
-        att = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(hd))
-        causal = jnp.tril(jnp.ones((t, t), bool))[None, None]
-        att = jnp.where(causal, att, jnp.finfo(att.dtype).min)
-        att = checkpoint_name(jax.nn.softmax(att, axis=-1), "h/attn/attn_weights")
-        y = (att @ v).transpose(0, 2, 1, 3).reshape(b, t, d)
-        y = checkpoint_name(y, "h/attn/merged_heads")
+
+        def heads(qkv: jax.Array) -> jax.Array:
+            q, k, v = jnp.split(qkv, 3, axis=-1)
+            q, k, v = (a.reshape(b, t, c.n_head, hd).transpose(0, 2, 1, 3)
+                       for a in (q, k, v))
+            att = (q @ k.transpose(0, 1, 3, 2)) * (1.0 / math.sqrt(hd))
+            causal = jnp.tril(jnp.ones((t, t), bool))[None, None]
+            att = jnp.where(causal, att, jnp.finfo(att.dtype).min)
+            att = checkpoint_name(jax.nn.softmax(att, axis=-1), "h/attn/attn_weights")
+            return (att @ v).transpose(0, 2, 1, 3).reshape(b, t, d)
+
+        y = checkpoint_name(jax.checkpoint(heads)(qkv) if c.checkpoint_heads else heads(qkv),
+                            "h/attn/merged_heads")
         x = x + checkpoint_name(nn.Dense(d, name="c_proj")(y), "h/attn/c_proj")
         h = nn.LayerNorm(epsilon=1e-5, name="ln_2")(x)
         f = checkpoint_name(nn.Dense(4 * d, name="mlp_c_fc")(h), "h/mlp/c_fc")
@@ -1172,6 +1185,11 @@ STEPS: dict[str, Any] = {s.name: s for s in [
         note="Flax linen GPT-2: nn.scan(nn.remat(Block)) x4, hidden 128, 4 heads, fused "
              "c_attn with bias, GELU MLP 4x, learned positions, tied embedding, f32, "
              "optax.adamw, donated; 6 tags named as GPT-2 checkpoint paths"),
+    LinenGPT2Step(
+        "linen-gpt2-nested", cfg=GPT2Config(checkpoint_heads=True),
+        note="Flax linen GPT-2 as linen-gpt2, the attention's heads (scores, softmax, "
+             "weighted sum) under a jax.checkpoint of their own inside the block's nn.remat: "
+             "a checkpoint inside a checkpointed layer; 6 tags"),
     EqxLlamaStep(
         "eqx-llama",
         note="Equinox LLaMA: filter_vmap-stacked layers, lax.scan over jax.checkpoint x4, "

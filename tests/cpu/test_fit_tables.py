@@ -87,8 +87,8 @@ SHARDED = ["big-state-fsdp8", "wide-ffn-sgd-bf16-fsdp8", "long-seq-fsdp8",
 
 
 FOREIGN = ["linen-gpt2", "eqx-llama", "nnx-parallel", "haiku-free-mixer", "linen-encdec",
-           "linen-convnext", "linen-resnet", "eqx-mamba2",
-           "eqx-llama-accum4"]  # foreign_zoo.STEPS (imports flax)
+           "linen-convnext", "linen-resnet", "eqx-mamba2", "eqx-llama-accum4",
+           "linen-gpt2-nested"]  # foreign_zoo.STEPS (imports flax)
 
 
 def _zoo_row(name: str, st: dict) -> list[str]:
