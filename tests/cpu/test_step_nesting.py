@@ -191,3 +191,18 @@ def test_a_checkpoint_inside_a_checkpointed_layer_is_read(inner):
         # saved q is one more
         assert abs(spared - (jaxpr_flops(()) - jaxpr_flops(saved))) <= \
             2 * len(saved) * LAYERS * ROWS * D, saved
+
+
+def test_a_foreign_step_with_a_nested_checkpoint_keeps_what_xla_keeps():
+    """foreign_zoo's ``linen-gpt2-nested``: Flax's GPT-2 with the attention's heads under a
+    ``jax.checkpoint`` inside the block's ``nn.remat``. The heads' recomputation reads the
+    causal mask through ``jnp.tril`` and ``jnp.where`` (jitted, a literal operand each), and
+    the softmax it tags is the layer's own recomputation again: what the graph keeps for
+    each tag alone and all together is what XLA's forward loop returns."""
+    import foreign_zoo
+
+    spec = foreign_zoo.STEPS["linen-gpt2-nested"]
+    make_step, args = spec.make_step(), spec.abstract_args()
+    got = kept_against_xla(make_step, args, step_graph(make_step, *args))
+    assert got["graph"] == got["xla"], got
+    assert got["xla"]["h/attn/attn_weights"] > 0
