@@ -178,10 +178,9 @@ _VIEWS = frozenset({"convert_element_type", "reshape", "squeeze", "expand_dims",
 through them is still the one its jaxpr was given."""
 
 
-def _source(jaxpr: Any, var: Any) -> Any:
-    """`var` followed back through `_VIEWS` inside `jaxpr`: an input of it, or the output
-    of an equation that computes it there."""
-    made = {o: e for e in jaxpr.eqns for o in e.outvars}
+def _source(made: Mapping[Any, Any], var: Any) -> Any:
+    """`var` followed back through `_VIEWS` (`made`: a jaxpr's equations by the variables
+    they make): an input of the jaxpr, or the output of an equation that computes it."""
     while var in made and str(made[var].primitive) in _VIEWS and made[var].invars:
         var = made[var].invars[0]
     return var
@@ -200,21 +199,21 @@ def _held(acts: Sequence[Any], outer: Sequence[tuple[Any, Any]], count: int) -> 
     them through; an equation whose inputs cannot be matched to its body's counts its
     length, as the step's runs do."""
     held, vars_ = count, [v for v in acts if isinstance(v, jcore.Var)]
+    lengths = [int(e.params.get("length", 1)) if str(e.primitive) == "scan" else 1
+               for e, _ in outer]
     for k in range(len(outer) - 1, -1, -1):
         eqn, body = outer[k]
-        length = int(eqn.params.get("length", 1)) if str(eqn.primitive) == "scan" else 1
         if not vars_ or len(body.invars) != len(eqn.invars):
             return held
         index = {v: i for i, v in enumerate(body.invars)}
-        found = [index.get(_source(body, v)) for v in vars_]
+        made = {o: e for e in body.eqns for o in e.outvars}
+        found = [index.get(_source(made, v)) for v in vars_]
         given = [i for i in found if i is not None]
-        stacked = length > 1 and any(i >= sum(scan_counts(eqn.params)) for i in given)
+        stacked = lengths[k] > 1 and any(i >= sum(scan_counts(eqn.params)) for i in given)
         if not stacked and len(given) < len(found):  # computed in each iteration
-            return max(held // math.prod(
-                int(e.params.get("length", 1)) for e, _ in outer[:k + 1]
-                if str(e.primitive) == "scan"), 1)
-        if length > 1 and not stacked:
-            held //= length  # the same residuals in every iteration: held once
+            return max(held // math.prod(lengths[:k + 1]), 1)
+        if lengths[k] > 1 and not stacked:
+            held //= lengths[k]  # the same residuals in every iteration: held once
         vars_ = [eqn.invars[i] for i in given if isinstance(eqn.invars[i], jcore.Var)]
     return held
 

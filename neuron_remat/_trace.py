@@ -338,16 +338,17 @@ def _build(jaxpr: Any, unknown: Sequence[bool],
             if computed is not None:
                 same(eqn, ins, outs, lead)
 
+    def canon(n: str) -> str:
+        """`n` followed back through `same`'s earlier copies and through tags (a tag is the
+        identity)."""
+        while n in first or n in tagged_from:
+            n = first[n] if n in first else tagged_from[n]
+        return n
+
     def same(eqn: Any, ins: list[str | None], outs: list[str], lead: tuple[int, ...]) -> None:
         """`nested`: mark `outs` the same as an earlier equation's, where inside an inner
         transposed remat the same equation reads the same values (`Value.same_as`)."""
         assert computed is not None
-
-        def canon(n: str) -> str:  # through earlier copies and tags (a tag is the identity)
-            while n in first or n in tagged_from:
-                n = first[n] if n in first else tagged_from[n]
-            return n
-
         try:
             # a literal by its value; a constant a call's literal operand became, by type
             key = (str(eqn.primitive), repr(sorted(eqn.params.items())), lead,
