@@ -79,6 +79,21 @@ def _indexed(stack):
     return make
 
 
+def _unrolled(stack):
+    """`_accumulated` as a Python loop: each micro-batch's gradient traced one after another."""
+    def make(policy):
+        grad = jax.grad(_loss(stack)(policy))
+
+        def step(ws, xs):
+            acc = jnp.zeros_like(ws)
+            for i in range(MICRO):
+                acc = acc + grad(ws, xs[i])
+            return acc
+
+        return jax.jit(step)
+    return make
+
+
 def _per_layer(saved: tuple[str, ...]) -> int:
     """What JAX keeps for one layer's backward under `saved`, its weights left out."""
     f = jax.checkpoint(_layer, policy=jax.checkpoint_policies.save_only_these_names(*saved))
@@ -110,6 +125,24 @@ def test_a_loop_over_micro_batches_holds_one_micro_batchs_residuals(case):
         assert g.kept_bytes(saved) == held * _per_layer(saved), saved
     # the recompute counts every run: a layer's, times the runs
     assert g.recompute_flops(()) == runs * g.layers[0].graph.evaluate_roles(()).recompute_flops
+
+
+def test_an_unrolled_loop_over_micro_batches_holds_every_micro_batch():
+    """A Python loop over the micro-batches is no loop in the jaxpr: one stack's backward per
+    micro-batch, each its own layers. XLA:CPU holds them all at once, so saving both tags
+    grows the compiled step by every micro-batch's residuals, which is what the graph
+    keeps (`compiled_bytes` of the two compiles)."""
+    from xla_figures import compiled_bytes
+
+    make_step, args = _unrolled(_stack), (W1, XS)
+    g = step_graph(make_step, *args)
+    assert (g.count, g.depth) == (MICRO * LAYERS, MICRO * LAYERS)
+    save = jax.checkpoint_policies.save_only_these_names
+    grown = (compiled_bytes(make_step(save("h", "o")).lower(*args).compile())
+             - compiled_bytes(make_step(save()).lower(*args).compile()))
+    kept = g.stored_bytes(("h", "o")) - g.stored_bytes(())
+    assert kept == MICRO * LAYERS * (_per_layer(("h", "o")) - _per_layer(()))
+    assert abs(grown - kept) <= 0.01 * kept, (grown, kept)
 
 
 def test_an_accumulated_steps_kept_bytes_are_what_xla_keeps():
