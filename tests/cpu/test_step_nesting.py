@@ -52,40 +52,20 @@ def _plain(stack):
     return lambda policy: jax.jit(jax.grad(_loss(stack)(policy)))
 
 
-def _accumulated(stack):
-    """The gradient summed over `MICRO` micro-batches, one per scan iteration."""
-    def make(policy):
-        grad = jax.grad(_loss(stack)(policy))
-
-        def step(ws, xs):
-            one = lambda acc, x: (acc + grad(ws, x), None)  # noqa: E731
-            return jax.lax.scan(one, jnp.zeros_like(ws), xs)[0]
-
-        return jax.jit(step)
-    return make
-
-
-def _indexed(stack):
-    """`_accumulated` as a ``fori_loop`` that takes each micro-batch by its index (as
-    ``optax.microbatching.microbatch`` does): the data is a constant of the loop."""
-    def make(policy):
-        grad = jax.grad(_loss(stack)(policy))
-
-        def step(ws, xs):
-            one = lambda i, acc: acc + grad(ws, xs[i])  # noqa: E731
-            return jax.lax.fori_loop(0, MICRO, one, jnp.zeros_like(ws))
-
-        return jax.jit(step)
-    return make
-
-
-def _unrolled(stack):
-    """`_accumulated` as a Python loop: each micro-batch's gradient traced one after another."""
+def _micro_batched(stack, loop: str):
+    """The gradient summed over `MICRO` micro-batches by `loop`: ``"scan"`` (one per
+    iteration, the data scanned over), ``"fori"`` (a ``fori_loop`` taking each by its index,
+    as ``optax.microbatching.microbatch`` does: the data a constant of the loop) or
+    ``"python"`` (a Python loop: each micro-batch's gradient traced one after another)."""
     def make(policy):
         grad = jax.grad(_loss(stack)(policy))
 
         def step(ws, xs):
             acc = jnp.zeros_like(ws)
+            if loop == "scan":
+                return jax.lax.scan(lambda a, x: (a + grad(ws, x), None), acc, xs)[0]
+            if loop == "fori":
+                return jax.lax.fori_loop(0, MICRO, lambda i, a: a + grad(ws, xs[i]), acc)
             for i in range(MICRO):
                 acc = acc + grad(ws, xs[i])
             return acc
@@ -108,11 +88,11 @@ W1 = jax.ShapeDtypeStruct((LAYERS, D, D), jnp.float32)
 W2 = jax.ShapeDtypeStruct((GROUPS, LAYERS, D, D), jnp.float32)
 CASES = {  # name: (make_step, args, runs, held)
     "stack": (_plain(_stack), (W1, X), LAYERS, LAYERS),
-    "stack, accumulated": (_accumulated(_stack), (W1, XS), MICRO * LAYERS, LAYERS),
-    "stack, indexed": (_indexed(_stack), (W1, XS), MICRO * LAYERS, LAYERS),
+    "stack, accumulated": (_micro_batched(_stack, "scan"), (W1, XS), MICRO * LAYERS, LAYERS),
+    "stack, indexed": (_micro_batched(_stack, "fori"), (W1, XS), MICRO * LAYERS, LAYERS),
     "groups": (_plain(_grouped), (W2, X), GROUPS * LAYERS, GROUPS * LAYERS),
-    "groups, accumulated": (_accumulated(_grouped), (W2, XS), MICRO * GROUPS * LAYERS,
-                            GROUPS * LAYERS),
+    "groups, accumulated": (_micro_batched(_grouped, "scan"), (W2, XS),
+                            MICRO * GROUPS * LAYERS, GROUPS * LAYERS),
 }
 
 
@@ -134,7 +114,7 @@ def test_an_unrolled_loop_over_micro_batches_holds_every_micro_batch():
     keeps (`compiled_bytes` of the two compiles)."""
     from xla_figures import compiled_bytes
 
-    make_step, args = _unrolled(_stack), (W1, XS)
+    make_step, args = _micro_batched(_stack, "python"), (W1, XS)
     g = step_graph(make_step, *args)
     assert (g.count, g.depth) == (MICRO * LAYERS, MICRO * LAYERS)
     save = jax.checkpoint_policies.save_only_these_names
@@ -189,13 +169,14 @@ def _nested_layer(x, w, inner):
 
 @pytest.mark.parametrize("inner", ["nothing", "q"])
 def test_a_checkpoint_inside_a_checkpointed_layer_is_read(inner):
-    """The inner checkpoint (saving nothing, or ``q``) leaves a remat of its own in the forward pass (no cotangents:
-    it is not a layer's backward) and one inside the layer's backward, which recomputes
-    ``q`` again: the same residual to JAX as the layer's recomputation of it. The graph
-    reads the layer; what it keeps for each tag alone and all together is what XLA's
-    forward loop returns (``q`` once), and its recompute under each save set is what the
-    transposed jaxpr JAX builds for that set computes (`_jaxpr.jaxpr_cost`; XLA may merge
-    the layer's and the inner checkpoint's recomputations)."""
+    """The inner checkpoint (saving nothing, or ``q``) leaves a remat of its own in the
+    forward pass (no cotangents: it is not a layer's backward) and one inside the layer's
+    backward, which recomputes ``q`` again: the same residual to JAX as the layer's
+    recomputation of it. The graph reads the layer; what it keeps for each tag alone and all
+    together is what XLA's forward loop returns (``q`` once), and its recompute under each
+    save set is what the transposed jaxpr JAX builds for that set computes
+    (`_jaxpr.jaxpr_cost`; XLA may merge the layer's and the inner checkpoint's
+    recomputations)."""
     from neuron_remat import _jaxpr
     from neuron_remat._step import _traced
 
