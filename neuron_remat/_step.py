@@ -146,9 +146,8 @@ class LayerBackward:
     def stored_kept_bytes(self, kept: Iterable[str], itemsizes: Mapping[str, int]) -> int:
         """What an evaluation's `kept` values take (parameters count nothing, as in
         `LayerGraph.evaluate`), at `itemsizes` per element where given."""
-        params, values = set(self.graph.params), self.graph.values
-        stored = dict.fromkeys(values[v].same_as or v for v in kept if v not in params)
-        return sum(values[v].bytes_as(itemsizes) for v in stored)
+        return sum(self.graph.values[v].bytes_as(itemsizes)
+                   for v in self.graph.residuals(kept))
 
 
 def _layer_backward(eqn: Any, count: int, outer: Sequence[tuple[Any, Any]] = (),

@@ -207,8 +207,7 @@ class LayerGraph:
             op = self._by_name[item]
             stack.extend(f"value:{v}" for v in op.inputs)
         params = set(self.params)
-        stored = dict.fromkeys(self.values[v].same_as or v for v in kept if v not in params)
-        kept_bytes = sum(self.values[v].bytes for v in stored)
+        kept_bytes = sum(self.values[v].bytes for v in self.residuals(kept))
         flops = sum(o.flops for o in self.ops if o.name in recomputed)
         if self.moved:  # see the class docstring
             forward = self.ancestors(v for v in kept if v not in held)
@@ -221,6 +220,13 @@ class LayerGraph:
         return Evaluation(kept_bytes, flops,
                           tuple(v for v in self.values if v in kept and v not in params),
                           tuple(n for n in order if n in recomputed))
+
+    def residuals(self, kept: Iterable[str]) -> tuple[str, ...]:
+        """The residuals `kept` values take, each once: parameters take none, and a value
+        `Value.same_as` another is that one's."""
+        params = set(self.params)
+        return tuple(dict.fromkeys(self.values[v].same_as or v for v in kept
+                                   if v not in params))
 
     def evaluate_roles(self, roles: Iterable[str]) -> Evaluation:
         chosen = frozenset(roles)

@@ -14,6 +14,7 @@ transposed jaxpr JAX builds for a save set."""
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -194,6 +195,12 @@ def test_a_checkpoint_inside_a_checkpointed_layer_is_read(inner):
     assert len(g.layers) == 1 and set(g.tags) == {"q", "ctx", "h"}
     got = kept_against_xla(make_step, args, g)
     assert got["graph"] == got["xla"], got
+    # the fast evaluation of tag sets counts the inner recomputation's value once too
+    graph = g.layers[0].graph
+    for r in range(4):
+        for saved in itertools.combinations(sorted(g.tags), r):
+            ev = graph.evaluate_roles(saved)
+            assert graph.cost_of_roles(saved) == (ev.kept_bytes, ev.recompute_flops), saved
 
     def jaxpr_flops(saved):
         return _jaxpr.jaxpr_cost(_traced(make_step(save(*saved)), args)[0].jaxpr).flops
