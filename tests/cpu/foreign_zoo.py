@@ -122,30 +122,35 @@ class _Step:
 
 def _train_step(logits: Callable[[Any, jax.Array], jax.Array],
                 tx: optax.GradientTransformation, *, donate: bool,
-                apply_updates: Callable[[Any, Any], Any] = optax.apply_updates) -> Any:
+                apply_updates: Callable[[Any, Any], Any] = optax.apply_updates,
+                value_and_grad: Callable[..., Any] = jax.value_and_grad) -> Any:
     """The jitted next-token step every model here trains with: ``state = (params,
     opt_state)`` and ``tokens`` [batch, seq + 1] in, the updated state and the loss out;
-    `logits(params, tokens[:, :-1])` is the model. `donate` donates the state."""
+    `logits(params, tokens[:, :-1])` is the model. `donate` donates the state;
+    `value_and_grad` as `_update_step`'s."""
 
     def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
         return optax.softmax_cross_entropy_with_integer_labels(
             logits(params, tokens[:, :-1]), tokens[:, 1:]).mean()
 
     return _update_step(loss_fn, tx, donate=donate, apply_updates=apply_updates,
-                        batch_is_tuple=False)
+                        batch_is_tuple=False, value_and_grad=value_and_grad)
 
 
 def _update_step(loss_fn: Callable[..., jax.Array], tx: optax.GradientTransformation, *,
                  donate: bool = True,
                  apply_updates: Callable[[Any, Any], Any] = optax.apply_updates,
-                 batch_is_tuple: bool = True) -> Any:
+                 batch_is_tuple: bool = True,
+                 value_and_grad: Callable[..., Any] = jax.value_and_grad) -> Any:
     """The jitted step of `loss_fn(params, *batch)` (or `loss_fn(params, batch)`):
-    ``state = (params, opt_state)`` and the batch in, the updated state and the loss out."""
+    ``state = (params, opt_state)`` and the batch in, the updated state and the loss out.
+    `value_and_grad(loss_fn)` gives the loss and the gradients (a transformation of
+    ``jax.value_and_grad``, such as gradient accumulation, may stand in for it)."""
 
     def train_step(state: Any, batch: Any) -> tuple[Any, jax.Array]:
         params, opt_state = state
         args = batch if batch_is_tuple else (batch,)
-        loss, grads = jax.value_and_grad(loss_fn)(params, *args)
+        loss, grads = value_and_grad(loss_fn)(params, *args)
         updates, opt_state = tx.update(grads, opt_state, params)
         return (apply_updates(params, updates), opt_state), loss
 
@@ -397,6 +402,10 @@ class _EqxLanguageModelStep(_Step):
     def _tx(self) -> optax.GradientTransformation:
         raise NotImplementedError
 
+    def _value_and_grad(self, loss_fn: Callable[..., jax.Array]) -> Any:
+        """The loss and gradients of `loss_fn` (`_update_step`'s `value_and_grad`)."""
+        return jax.value_and_grad(loss_fn)
+
     def _static(self) -> Any:
         cfg = self.cfg  # type: ignore[attr-defined]
         model = eqx.filter_eval_shape(self._model, cfg, jax.random.PRNGKey(0))
@@ -420,7 +429,8 @@ class _EqxLanguageModelStep(_Step):
                 model = eqx.combine(params, static)
                 return jax.vmap(lambda t: model(t, policy))(x)
 
-            return _train_step(logits, tx, donate=True, apply_updates=eqx.apply_updates)
+            return _train_step(logits, tx, donate=True, apply_updates=eqx.apply_updates,
+                               value_and_grad=self._value_and_grad)
 
         return make
 
@@ -452,32 +462,13 @@ class EqxLlamaAccumStep(EqxLlamaStep):
     def _tx(self) -> optax.GradientTransformation:
         return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4))
 
-    def make_step(self) -> Callable[[Any], Any]:
+    def _value_and_grad(self, loss_fn: Callable[..., jax.Array]) -> Any:
         from optax import microbatching  # noqa: PLC0415
 
-        tx, static, c = self._tx(), self._static(), self.cfg
-
-        def make(policy: Any) -> Any:
-            def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
-                model = eqx.combine(params, static)
-                logits = jax.vmap(lambda t: model(t, policy))(tokens[:, :-1])
-                return optax.softmax_cross_entropy_with_integer_labels(
-                    logits, tokens[:, 1:]).mean()
-
-            value_and_grad = microbatching.microbatch(
-                jax.value_and_grad(loss_fn), argnums=1,
-                microbatch_size=c.batch // self.microbatches,
-                accumulator=microbatching.AccumulationType.MEAN)
-
-            def train_step(state: Any, tokens: jax.Array) -> tuple[Any, jax.Array]:
-                params, opt_state = state
-                loss, grads = value_and_grad(params, tokens)
-                updates, opt_state = tx.update(grads, opt_state, params)
-                return (eqx.apply_updates(params, updates), opt_state), loss
-
-            return jax.jit(train_step, donate_argnums=0)
-
-        return make
+        return microbatching.microbatch(
+            jax.value_and_grad(loss_fn), argnums=1,
+            microbatch_size=self.cfg.batch // self.microbatches,
+            accumulator=microbatching.AccumulationType.MEAN)
 
 
 # ======================================================================================
