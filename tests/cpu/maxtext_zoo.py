@@ -314,6 +314,16 @@ STEPS: dict[str, MaxTextSpec] = {s.name: s for s in [
         note=f"MaxText {MAXTEXT_VERSION}'s train_step with the mixtral block: 4 experts, "
              "top 2, sorted tokens and ragged_dot, 4 scanned layers, bf16 activations, "
              "AdamW, donated state, 1-device CPU mesh"),
+    MaxTextSpec(
+        "maxtext-deepseek3", {**CONFIG, "decoder_block": "deepseek", **MOE, **MLA,
+                              "first_num_dense_layers": 2},
+        layer=("deepseek", "DeepSeekMoELayer"),
+        note=f"MaxText {MAXTEXT_VERSION}'s train_step with the deepseek block, laid out as "
+             "DeepSeek-V3: 2 dense layers, then 2 MoE layers (two scans of different "
+             "layers, of equal length: XLA:CPU counts each scan's body once), multi-head "
+             "latent attention, 4 routed experts (top 2, sorted "
+             "tokens and ragged_dot) beside a shared one, bf16 activations, AdamW, donated "
+             "state, 1-device CPU mesh"),
 ]}
 """MaxText's steps, by name."""
 

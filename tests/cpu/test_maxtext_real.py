@@ -236,6 +236,28 @@ def test_maxtext_gradient_accumulation_holds_one_micro_batch():
     assert got["graph"] == got["xla"], got
 
 
+def test_maxtext_dense_then_moe_stacks_keep_what_xla_keeps():
+    """MaxText's deepseek block laid out as DeepSeek-V3 (`maxtext-deepseek3`: 2 dense layers,
+    then 2 MoE layers, each kind its own scan): the step graph reads two kinds of layer,
+    and what it keeps for tags of one kind, of the other and of both (the attention's
+    projections, the dense and shared experts' ``mlpwi_0``, the routed experts'
+    ``moe_mlpwi_0``), alone and together, is what XLA's two compiled forward loops return
+    between them."""
+    from neuron_remat._step import step_graph
+    from xla_figures import kept_against_xla
+
+    spec = mz.STEPS["maxtext-deepseek3"]
+    make_step, args = spec.make_step(), spec.abstract_args()
+    graph = step_graph(make_step, *args)
+    assert [layer.count for layer in graph.layers] == [2, 2]
+    assert "moe_mlpwi_0" in graph.layers[0].tags + graph.layers[1].tags
+    assert not {"moe_mlpwi_0"} <= set(graph.layers[0].tags) & set(graph.layers[1].tags)
+    got = kept_against_xla(make_step, args, graph,
+                           ["query_proj", "out_proj", "mlpwi_0", "moe_mlpwi_0"], loops=2)
+    assert got["graph"] == got["xla"], got
+    assert all(got["graph"].values()), got  # no tag of these keeps nothing
+
+
 @pytest.mark.slow
 def test_fit_against_the_compiled_brute_force(step):
     """At the `SIZES`: the plan fits, states its compile, is within 2 points of step FLOPs

@@ -82,19 +82,26 @@ _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 
              "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 
 
-def first_loop_arrays(compiled: Any) -> Counter:
+def first_loop_arrays(compiled: Any, loops: int = 1) -> Counter:
     """The arrays the compiled program's first ``while`` loop returns (XLA's optimized HLO,
-    per device: after SPMD partitioning, one device's shapes), by type (``bf16[4,2,32,128]``).
-    In a training step over a scanned stack that loop is the forward scan, which returns
-    the carry and, stacked over the layers, the residuals the backward reads: what saving
-    a tag adds there is what XLA keeps for it on one device."""
+    per device: after SPMD partitioning, one device's shapes), by type (``bf16[4,2,32,128]``),
+    summed over the first `loops` loops. In a training step over a scanned stack that loop
+    is the forward scan, which returns the carry and, stacked over the layers, the
+    residuals the backward reads: what saving a tag adds there is what XLA keeps for it on
+    one device. A step of two stacks, one after the other, runs their two forward scans
+    first."""
     import re  # noqa: PLC0415
 
+    found: Counter = Counter()
+    seen = 0
     for line in compiled.as_text().splitlines():
         if " while(" in line and "=" in line:
             result = line.split("=", 1)[1].split(" while(", 1)[0]
-            return Counter(re.findall(r"([a-z]+\d*\[[\d,]*\])", result))
-    raise AssertionError("the compiled program has no while loop")
+            found += Counter(re.findall(r"([a-z]+\d*\[[\d,]*\])", result))
+            seen += 1
+            if seen == loops:
+                return found
+    raise AssertionError(f"the compiled program has {seen} while loops, not {loops}")
 
 
 def array_bytes(arrays: Counter) -> int:
@@ -109,16 +116,17 @@ def array_bytes(arrays: Counter) -> int:
 
 
 def kept_against_xla(make_step: Any, args: Any, graph: Any,
-                     tags: Any = None) -> dict[str, dict[str, int]]:
+                     tags: Any = None, loops: int = 1) -> dict[str, dict[str, int]]:
     """For each of `tags` alone and all of them together (the step graph's tags when
     None; keys: the tags joined by commas): ``{"graph": the step graph's kept bytes over
     full remat, "xla": what the compiled program keeps per device over full remat}``
-    (`first_loop_arrays`; it raises where the program has no loop to read)."""
+    (`first_loop_arrays` of the first `loops` loops: a step with that many scanned stacks,
+    one after the other; it raises where the program has fewer loops to read)."""
     from jax._src.ad_checkpoint import save_only_these_names  # noqa: PLC0415
 
     def xla(saved: tuple[str, ...]) -> Counter:
         return first_loop_arrays(make_step(save_only_these_names(*saved)).lower(*args)
-                                 .compile())
+                                 .compile(), loops)
 
     chosen = list(graph.tags if tags is None else tags)
     base, out = xla(()), {"graph": {}, "xla": {}}
