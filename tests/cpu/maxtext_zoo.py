@@ -321,9 +321,9 @@ STEPS: dict[str, MaxTextSpec] = {s.name: s for s in [
         note=f"MaxText {MAXTEXT_VERSION}'s train_step with the deepseek block, laid out as "
              "DeepSeek-V3: 2 dense layers, then 2 MoE layers (two scans of different "
              "layers, of equal length: XLA:CPU counts each scan's body once), multi-head "
-             "latent attention, 4 routed experts (top 2, sorted "
-             "tokens and ragged_dot) beside a shared one, bf16 activations, AdamW, donated "
-             "state, 1-device CPU mesh"),
+             "latent attention, 4 routed experts (top 2, sorted tokens and ragged_dot) "
+             "beside a shared one, bf16 activations, AdamW, donated state, 1-device CPU "
+             "mesh"),
 ]}
 """MaxText's steps, by name."""
 

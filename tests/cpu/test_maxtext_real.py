@@ -250,8 +250,8 @@ def test_maxtext_dense_then_moe_stacks_keep_what_xla_keeps():
     make_step, args = spec.make_step(), spec.abstract_args()
     graph = step_graph(make_step, *args)
     assert [layer.count for layer in graph.layers] == [2, 2]
-    assert "moe_mlpwi_0" in graph.layers[0].tags + graph.layers[1].tags
-    assert not {"moe_mlpwi_0"} <= set(graph.layers[0].tags) & set(graph.layers[1].tags)
+    assert all("query_proj" in layer.tags for layer in graph.layers)  # both kinds
+    assert sum("moe_mlpwi_0" in layer.tags for layer in graph.layers) == 1  # one kind
     got = kept_against_xla(make_step, args, graph,
                            ["query_proj", "out_proj", "mlpwi_0", "moe_mlpwi_0"], loops=2)
     assert got["graph"] == got["xla"], got
@@ -313,10 +313,9 @@ def test_the_readme_figures_of_fit_are_the_sweep_of_the_committed_table(name, ex
     """`benchmarks/maxtext_fit.py --bare-oracle` on a fresh cache, filled from the step's
     committed compile table (benchmarks/brute_force/<step>.json: it compiles nothing, 40
     to 75 s on one device; the 8-device steps, and maxtext-deepseek3's 257 sets, about 4
-    minutes, are marked slow), gives the README's figures
-    of `fit` on the step: its row of the table of the oracle without figures, and for
-    llama2 the 6-tag rows of its own table (sizes with gap 0, within 0.5 points, over 2
-    points, the largest gap)."""
+    minutes, are marked slow), gives the README's figures of `fit` on the step: its row of
+    the table of the oracle without figures, and for llama2 the 6-tag rows of its own
+    table (sizes with gap 0, within 0.5 points, over 2 points, the largest gap)."""
     modes = R.swept_bare_row("maxtext_fit.py", name, extra, tmp_path)
     if name != "maxtext-llama2":
         return

@@ -83,13 +83,14 @@ _ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 
 
 
 def first_loop_arrays(compiled: Any, loops: int = 1) -> Counter:
-    """The arrays the compiled program's first ``while`` loop returns (XLA's optimized HLO,
-    per device: after SPMD partitioning, one device's shapes), by type (``bf16[4,2,32,128]``),
-    summed over the first `loops` loops. In a training step over a scanned stack that loop
+    """The arrays the compiled program's first `loops` ``while`` loops return, in the order
+    of XLA's optimized HLO text (per device: after SPMD partitioning, one device's shapes),
+    by type (``bf16[4,2,32,128]``). In a training step over a scanned stack the first loop
     is the forward scan, which returns the carry and, stacked over the layers, the
     residuals the backward reads: what saving a tag adds there is what XLA keeps for it on
     one device. A step of two stacks, one after the other, runs their two forward scans
-    first."""
+    first (a loop inside a layer would come before them: such a step needs another
+    reading)."""
     import re  # noqa: PLC0415
 
     found: Counter = Counter()
