@@ -78,6 +78,60 @@ def test_a_table_is_what_xla_compiles_here(name, saved):
     assert got == {k: row[k] for k in got}, (got, row)
 
 
+def _openblas_kernels() -> bool:
+    """Whether numpy's BLAS is OpenBLAS built for every x86 kernel (DYNAMIC_ARCH: the
+    kernel is chosen at start, and OPENBLAS_CORETYPE overrides the choice) and this CPU
+    runs both kernels `test_the_search_decides_the_same_on_every_blas_kernel` forces."""
+    import numpy as np
+
+    try:
+        config = np.show_config(mode="dicts")
+    except TypeError:  # numpy < 1.26
+        return False
+    blas = json.dumps(config.get("Build Dependencies", {}).get("blas", {})).lower()
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "openblas" in blas and "dynamic_arch" in blas and "avx2" in flags
+
+
+@pytest.mark.skipif(not _openblas_kernels(), reason="numpy's BLAS is not OpenBLAS with "
+                    "DYNAMIC_ARCH on an x86 CPU with AVX2: no second kernel to force")
+def test_the_search_decides_the_same_on_every_blas_kernel():
+    """`fit` plans alike whichever BLAS kernels the CPU selects. gqa4-adamw at one size,
+    the compile as the oracle (its committed table serving the compiles), in two processes
+    of their own, one with OpenBLAS's Haswell kernels and one with its Sandybridge ones:
+    the same plan in the same compiles. Before the search rounded its chances
+    (`_search.CHANCE_DIGITS`), two sets the trace cannot tell apart tied there up to the
+    last bits of the linear algebra, and the kernels broke the tie two ways (one plan
+    saved key_proj, context, out_proj and mlpwi_0, the other mlpwi_0 and mlpwi_1)."""
+    name, hbm = "gqa4-adamw", 17854063
+    R.require(name)
+    code = (f"import sys; sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'benchmarks')!r}, "
+            f"{str(Path(__file__).resolve().parent)!r}]\n"
+            "import importlib, json, _common as C\n"
+            "C.prepare_compiles()\n"
+            "import fit_sweep as FS, zoo\n"
+            "F = importlib.import_module('neuron_remat._fit')\n"
+            "SG = importlib.import_module('neuron_remat._step')\n"
+            f"spec = zoo.ZOO[{name!r}]\n"
+            "graph = F.step_graph(spec.make_step(), *spec.abstract_args())\n"
+            "pool = SG._pool(graph, None)[:FS.MAX_TAGS]\n"
+            f"brute = FS.Brute(spec, pool, FS.TABLES / {name + '.json'!r})\n"
+            f"rows = FS.sweep_step(brute, 'oracle', [{hbm}], graph, F, zoo)\n"
+            "print(json.dumps([rows[0]['saved'], rows[0]['compiles']]))\n")
+    got = []
+    for kernel in ("Haswell", "Sandybridge"):
+        env = {**os.environ, "OPENBLAS_CORETYPE": kernel,
+               "XLA_FLAGS": _committed(name)["compiled_with"]["xla_flags"]}
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, timeout=300, check=False)
+        assert run.returncode == 0, run.stderr[-2000:]
+        got.append(json.loads(run.stdout.strip().splitlines()[-1]))
+    assert got[0] == got[1], got
+
+
 SHARDED_HEADER = ("| step | memory_analysis | oracle | before: memory_analysis | "
                   "before: oracle |")
 SHARDED = ["big-state-fsdp8", "wide-ffn-sgd-bf16-fsdp8", "long-seq-fsdp8",
