@@ -171,7 +171,8 @@ def _oracle_cap(n_front: int) -> int:
     moe8-rope-sgd went from 96% of sizes within 0.5 points and 7.95 at most to 99% and
     2.15 with the oracle's figures, and from 93% and 8.09 to 96% and 2.15 without;
     rope-gqa2-bf16 with figures from 99% and 1.18 to 100% and 0; gqa4-adamw with figures
-    from 99% and 0.73 to 98% and 0.82, without from 92% and 2.91 to 93% and 3.00."""
+    from 99% and 0.73 to 98% and 0.82 (on a machine whose BLAS broke one tie the other
+    way: 99% and 0.73 since `CHANCE_DIGITS`), without from 92% and 2.91 to 93% and 3.00."""
     return 1 + (n_front > 1) + math.ceil(math.log2(max(n_front - 1, 1)))
 
 
