@@ -149,12 +149,25 @@ class MaxTextSpec:
     layer_kwargs: tuple[tuple[str, Any], ...] = ()
     """More arguments of the layer's constructor (Qwen3-Next's ``layer_idx``, which picks
     its attention: linear, a gated delta net, but for every
-    ``inhomogeneous_layer_cycle_interval``-th layer)."""
+    ``inhomogeneous_layer_cycle_interval``-th layer; GPT-OSS's ``attention_type``, given by
+    its value in MaxText's ``AttentionType``, e.g. ``"local_sliding"``; Llama4's
+    ``is_moe_layer`` and ``is_nope_layer``)."""
     devices: int = 1
     """The devices of the step's mesh (the first of ``jax.devices()``; the config's ``ici_*``
     parallelism lays the axes out over them). MaxText's global batch is its
     ``per_device_batch_size`` times the devices JAX sees: a step over 8 devices runs in a
     process that sees 8 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``)."""
+    inputs_on_mesh: bool = False
+    """`decoder_layer` puts its activations (``x``, segment ids, positions) on the mesh
+    (replicated), not on the one device. Llama4's and GPT-OSS's layers constrain their input
+    with flax's ``nn.with_logical_constraint`` (a bare ``PartitionSpec``, read against the
+    mesh ``jax.set_mesh`` sets): called eagerly on an array of one device, JAX refuses it
+    (it needs a ``NamedSharding`` input), and the fallback MaxText 0.2.5 installs in
+    ``jax.lax.with_sharding_constraint`` (``integration/tunix/tunix_adapter.py``:
+    ``jax.sharding.reshard``) refuses the mesh's ``Auto`` axes. Under a trace both layers
+    run on the usual mesh either way. (A mesh of ``Explicit`` axes is no way out: MaxText
+    refuses ``shard_mode: explicit`` for both decoder blocks, and with ``shard_mode: auto``
+    the attention's ``dot_general`` fails sharding in types on such a mesh.)"""
 
     # ---- MaxText's pieces --------------------------------------------------------------
 
@@ -202,15 +215,22 @@ class MaxTextSpec:
         quant = {"quant": None} if "quant" in inspect.signature(cls).parameters else {}
         config = self.maxtext_config()
         mesh = self._built(_overrides_of(None))[2]
+        from maxtext.common.common_types import AttentionType  # noqa: PLC0415
+
+        kwargs = {k: AttentionType(v) if k == "attention_type" else v
+                  for k, v in self.layer_kwargs}
         with _in_mesh(mesh, config.logical_axis_rules):
             layer = cls(config=config, model_mode="train", mesh=mesh, rngs=nnx.Rngs(0),
-                        **quant, **dict(self.layer_kwargs))
+                        **quant, **kwargs)
         graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
         b, s = config.micro_batch_size_to_train_on, config.max_target_length
         x = jax.random.normal(jax.random.PRNGKey(1), (b, s, config.emb_dim)).astype(
             jnp.dtype(config.dtype))
         segments = jnp.ones((b, s), jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        if self.inputs_on_mesh:
+            on_mesh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            x, segments, positions = jax.device_put((x, segments, positions), on_mesh)
 
         def fn(x: Any, params: Any, segments: Any, positions: Any) -> Any:
             with _in_mesh(mesh, config.logical_axis_rules):
@@ -295,6 +315,28 @@ attention by a gated delta net (2 key heads and 4 value heads of 32, a causal co
 of width 4, chunks of 32 tokens: ``lax.scan`` over the chunks with the recurrent state as
 its differentiated carry), a routed MoE with one shared expert."""
 
+GPT_OSS: dict[str, Any] = dict(
+    decoder_block="gpt_oss", sliding_window_size=32, attention_sink=True,
+    attention_bias=True, mlp_activations=("sigmoid", "linear"), mlp_activations_limit=7.0,
+    routed_bias=True, mlp_bias=True, rope_type="yarn", rope_max_timescale=150_000,
+    max_position_embeddings=131072, original_max_position_embeddings=4096, rope_factor=32,
+    beta_fast=32, beta_slow=1, rope_interleave=False, rope_truncate=False,
+    rope_attention_scaling=True, inhomogeneous_layer_cycle_interval=2)
+"""GPT-OSS's block (MaxText's gpt-oss-20b.yml), tiny: attention with biases and learned
+sinks, its even layers within a sliding window of 32 tokens (of 128), YaRN RoPE; a routed
+MoE with biased router and experts, its gated unit clamped at 7 (the gate g and the linear
+half h clipped, g * sigmoid(1.702 g) * (h + 1))."""
+
+LLAMA4: dict[str, Any] = dict(
+    decoder_block="llama4", mlp_activations=("silu", "linear"), shared_experts=1,
+    num_experts_per_tok=1, use_qk_norm=True, nope_layer_interval=4,
+    interleave_moe_layer_step=1, inhomogeneous_layer_cycle_interval=4,
+    temperature_tuning=True, chunk_attn_window_size=32, rope_type="llama3.1",
+    rope_max_timescale=500_000)
+"""Llama4's block (MaxText's llama4-17b-16e.yml), tiny: RoPE layers attend within chunks
+of 32 tokens (of 128), with an L2 norm on queries and keys, every 4th layer global without
+RoPE; every layer a routed MoE, top 1, beside a shared expert."""
+
 STEPS: dict[str, MaxTextSpec] = {s.name: s for s in [
     MaxTextSpec(
         "maxtext-llama2", CONFIG,
@@ -360,10 +402,19 @@ LAYERS: dict[str, MaxTextSpec] = {s.name: s for s in [
     MaxTextSpec("maxtext-qwen3-next", {**CONFIG, "decoder_block": "qwen3_next", **MOE,
                                        **QWEN3_NEXT},
                 layer=("qwen3", "Qwen3NextDecoderLayer"), layer_kwargs=(("layer_idx", 0),)),
+    MaxTextSpec("maxtext-gpt-oss", {**CONFIG, **MOE, **GPT_OSS},
+                layer=("gpt_oss", "GptOssDecoderLayer"),
+                layer_kwargs=(("attention_type", "local_sliding"),), inputs_on_mesh=True),
+    MaxTextSpec("maxtext-llama4", {**CONFIG, **MOE, **LLAMA4},
+                layer=("llama4", "Llama4DecoderLayer"),
+                layer_kwargs=(("is_moe_layer", True), ("is_nope_layer", False)),
+                inputs_on_mesh=True),
 ]}
 """MaxText decoder layers whose traced footprint is held to JAX's residuals: llama2's;
 gemma2's (a local and a global attention sublayer, soft-capped logits); mixtral's MoE on
 MaxText's sparse path and on its dense one (``sparse_matmul=False``: every expert on
 every token, weighted by the router); DeepSeek's MoE layer with MLA and a shared
 expert; Qwen3-Next's linear-attention layer (a gated delta net: a scan with a
-differentiated carry inside the layer) with its MoE."""
+differentiated carry inside the layer) with its MoE; GPT-OSS's sliding-window layer
+(attention sinks, biased projections and experts, a clamped gate); Llama4's chunked-attention
+MoE layer (queries and keys L2-normed, a shared expert beside the routed ones)."""
