@@ -357,6 +357,16 @@ STEPS: dict[str, MaxTextSpec] = {s.name: s for s in [
              "top 2, sorted tokens and ragged_dot, 4 scanned layers, bf16 activations, "
              "AdamW, donated state, 1-device CPU mesh"),
     MaxTextSpec(
+        "maxtext-gpt-oss", {**CONFIG, **MOE, **GPT_OSS, "rope_type": "default"},
+        layer=("gpt_oss", "GptOssDecoderLayer"),
+        note=f"MaxText {MAXTEXT_VERSION}'s train_step with the gpt_oss block: 4 layers as "
+             "2 scanned iterations of a block of 2 (a sliding-window layer, then a global "
+             "one), learned attention sinks, biased projections and experts, 4 experts, "
+             "top 2, a clamped gate, sorted tokens and ragged_dot, bf16 activations, "
+             "AdamW, donated state, 1-device CPU mesh; MaxText's default rotary embedding "
+             "(YaRN's, complex-valued, fails in 0.2.5's backward on the CPU: "
+             "reduce_precision refuses complex64)"),
+    MaxTextSpec(
         "maxtext-deepseek3", {**CONFIG, "decoder_block": "deepseek", **MOE, **MLA,
                               "first_num_dense_layers": 2},
         layer=("deepseek", "DeepSeekMoELayer"),

@@ -271,6 +271,25 @@ def test_maxtext_dense_then_moe_stacks_keep_what_xla_keeps():
     assert all(got["graph"].values()), got  # no tag of these keeps nothing
 
 
+def test_maxtext_scanned_block_of_two_layers_keeps_what_xla_keeps():
+    """MaxText's gpt_oss block (`maxtext-gpt-oss`) scans a block of two different layers,
+    a sliding-window one then a global one, under one checkpoint: the step graph reads one
+    checkpointed unit run twice, each run holding both layers' tags, and what it keeps for
+    the attention's and the experts' tags, alone and together, is what XLA's compiled
+    forward loop returns."""
+    from neuron_remat._step import step_graph
+    from xla_figures import kept_against_xla
+
+    spec = mz.STEPS["maxtext-gpt-oss"]
+    make_step, args = spec.make_step(), spec.abstract_args()
+    graph = step_graph(make_step, *args)
+    assert [layer.count for layer in graph.layers] == [2]
+    got = kept_against_xla(make_step, args, graph,
+                           ["query_proj", "out_proj", "mlpwi_0", "moe_mlpwi_1"])
+    assert got["graph"] == got["xla"], got
+    assert all(got["graph"].values()), got  # no tag of these keeps nothing
+
+
 @pytest.mark.slow
 def test_fit_against_the_compiled_brute_force(step):
     """At the `SIZES`: the plan fits, states its compile, is within 2 points of step FLOPs
@@ -319,6 +338,7 @@ def test_fit_against_the_compiled_brute_force(step):
 @pytest.mark.parametrize("name,extra", [
     ("maxtext-llama2", []), ("maxtext-mixtral", ["--tags", "7"]), ("maxtext-llama2-ga2", []),
     pytest.param("maxtext-deepseek3", ["--tags", "8"], marks=pytest.mark.slow),
+    pytest.param("maxtext-gpt-oss", ["--tags", "7"], marks=pytest.mark.slow),
     pytest.param("maxtext-llama2-fsdp8", ["--host-devices", "8"], marks=pytest.mark.slow),
     pytest.param("maxtext-llama2-fsdp2tp4", ["--host-devices", "8"], marks=pytest.mark.slow)])
 def test_the_readme_figures_of_fit_are_the_sweep_of_the_committed_table(name, extra,
