@@ -345,8 +345,8 @@ def test_the_readme_figures_of_fit_are_the_sweep_of_the_committed_table(name, ex
                                                                         tmp_path):
     """`benchmarks/maxtext_fit.py --bare-oracle` on a fresh cache, filled from the step's
     committed compile table (benchmarks/brute_force/<step>.json: it compiles nothing, 40
-    to 75 s on one device; the 8-device steps, and maxtext-deepseek3's 257 sets, about 4
-    minutes, are marked slow), gives the README's figures of `fit` on the step: its row of
+    to 75 s on one device; the 8-device steps, maxtext-deepseek3's 257 sets and
+    maxtext-gpt-oss's 129, 2 to 4 minutes, are marked slow), gives the README's figures of `fit` on the step: its row of
     the table of the oracle without figures, and for llama2 the 6-tag rows of its own
     table (sizes with gap 0, within 0.5 points, over 2 points, the largest gap)."""
     modes = R.swept_bare_row("maxtext_fit.py", name, extra, tmp_path)
