@@ -10,7 +10,9 @@ zoo, the foreign steps and the sharded steps (and their rows of the table of the
 without figures) to what the sweep gives, so that a change to the search that moves one of
 those figures cannot land without the README saying so. The last two skip, with the reason,
 where this JAX or jaxlib is not the one that compiled the tables (another XLA may lay
-memory out otherwise, and the sweep would recompile for hours). They are marked slow.
+memory out otherwise, and the sweep would recompile for hours). They are marked slow. One
+more runs `fit` at one size from a table under two BLAS kernels and holds the plans equal:
+the tables' figures must not depend on the machine that sweeps them.
 """
 
 from __future__ import annotations
