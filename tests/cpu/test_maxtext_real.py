@@ -231,21 +231,28 @@ def test_fit_between_full_and_no_remat(step):
     _check_plan(plan, make_step, args, hbm)
 
 
+def _graph_and_xla(name, tags, loops=1):
+    """`name`'s step graph (`mz.STEPS`), and `xla_figures.kept_against_xla` of `tags` on
+    its step: what the graph keeps for each tag alone and all together beside what XLA's
+    first `loops` compiled forward loops return."""
+    from neuron_remat._step import step_graph
+    from xla_figures import kept_against_xla
+
+    spec = mz.STEPS[name]
+    make_step, args = spec.make_step(), spec.abstract_args()
+    graph = step_graph(make_step, *args)
+    return graph, kept_against_xla(make_step, args, graph, tags, loops=loops)
+
+
 def test_maxtext_gradient_accumulation_holds_one_micro_batch():
     """MaxText's own gradient accumulation (``gradient_accumulation_steps=2``: a
     ``lax.scan`` over the micro-batches, each one's forward and backward in an iteration):
     the step graph runs each of the 4 layers twice but holds 4 layers' residuals, and what
     it keeps for each of four tags alone and together is what XLA's compiled forward loop
     returns."""
-    from neuron_remat._step import step_graph
-    from xla_figures import kept_against_xla
-
-    spec = mz.STEPS["maxtext-llama2-ga2"]
-    make_step, args = spec.make_step(), spec.abstract_args()
-    graph = step_graph(make_step, *args)
+    graph, got = _graph_and_xla("maxtext-llama2-ga2",
+                                ["query_proj", "key_proj", "out_proj", "mlpwi_0"])
     assert (graph.count, graph.depth) == (8, 4)
-    got = kept_against_xla(make_step, args, graph,
-                           ["query_proj", "key_proj", "out_proj", "mlpwi_0"])
     assert got["graph"] == got["xla"], got
 
 
@@ -256,17 +263,11 @@ def test_maxtext_dense_then_moe_stacks_keep_what_xla_keeps():
     projections, the dense and shared experts' ``mlpwi_0``, the routed experts'
     ``moe_mlpwi_0``), alone and together, is what XLA's two compiled forward loops return
     between them."""
-    from neuron_remat._step import step_graph
-    from xla_figures import kept_against_xla
-
-    spec = mz.STEPS["maxtext-deepseek3"]
-    make_step, args = spec.make_step(), spec.abstract_args()
-    graph = step_graph(make_step, *args)
+    graph, got = _graph_and_xla("maxtext-deepseek3",
+                                ["query_proj", "out_proj", "mlpwi_0", "moe_mlpwi_0"], loops=2)
     assert [layer.count for layer in graph.layers] == [2, 2]
     assert all("query_proj" in layer.tags for layer in graph.layers)  # both kinds
     assert sum("moe_mlpwi_0" in layer.tags for layer in graph.layers) == 1  # one kind
-    got = kept_against_xla(make_step, args, graph,
-                           ["query_proj", "out_proj", "mlpwi_0", "moe_mlpwi_0"], loops=2)
     assert got["graph"] == got["xla"], got
     assert all(got["graph"].values()), got  # no tag of these keeps nothing
 
@@ -277,15 +278,9 @@ def test_maxtext_scanned_block_of_two_layers_keeps_what_xla_keeps():
     checkpointed unit run twice, each run holding both layers' tags, and what it keeps for
     the attention's and the experts' tags, alone and together, is what XLA's compiled
     forward loop returns."""
-    from neuron_remat._step import step_graph
-    from xla_figures import kept_against_xla
-
-    spec = mz.STEPS["maxtext-gpt-oss"]
-    make_step, args = spec.make_step(), spec.abstract_args()
-    graph = step_graph(make_step, *args)
+    graph, got = _graph_and_xla("maxtext-gpt-oss",
+                                ["query_proj", "out_proj", "mlpwi_0", "moe_mlpwi_1"])
     assert [layer.count for layer in graph.layers] == [2]
-    got = kept_against_xla(make_step, args, graph,
-                           ["query_proj", "out_proj", "mlpwi_0", "moe_mlpwi_1"])
     assert got["graph"] == got["xla"], got
     assert all(got["graph"].values()), got  # no tag of these keeps nothing
 
@@ -346,9 +341,10 @@ def test_the_readme_figures_of_fit_are_the_sweep_of_the_committed_table(name, ex
     """`benchmarks/maxtext_fit.py --bare-oracle` on a fresh cache, filled from the step's
     committed compile table (benchmarks/brute_force/<step>.json: it compiles nothing, 40
     to 75 s on one device; the 8-device steps, maxtext-deepseek3's 257 sets and
-    maxtext-gpt-oss's 129, 2 to 4 minutes, are marked slow), gives the README's figures of `fit` on the step: its row of
-    the table of the oracle without figures, and for llama2 the 6-tag rows of its own
-    table (sizes with gap 0, within 0.5 points, over 2 points, the largest gap)."""
+    maxtext-gpt-oss's 129, 2 to 4 minutes, are marked slow), gives the README's figures
+    of `fit` on the step: its row of the table of the oracle without figures, and for
+    llama2 the 6-tag rows of its own table (sizes with gap 0, within 0.5 points, over 2
+    points, the largest gap)."""
     modes = R.swept_bare_row("maxtext_fit.py", name, extra, tmp_path)
     if name != "maxtext-llama2":
         return
