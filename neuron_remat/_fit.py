@@ -72,26 +72,26 @@ Neuron PJRT plugin may not implement it) makes the compile the oracle: an error 
 XLA's ``RESOURCE_EXHAUSTED`` or neuronx-cc's NCC_EOOM001/NCC_EOOM002 ("exceeds the
 high-bandwidth memory") means over (`out_of_memory`, byte figures kept), a compile that
 succeeds means it fits. `fit` then bisects the frontier predicted from the graphs
-(arguments + outputs - donated state + kept + recomputed reads), from its middle, as with memory
-figures where full remat fits with room (here whatever the room: no figure tells it), within
-a budget of its own: at most 2 + ceil(log2(frontier - 1)) compiles (`_oracle_cap`), within
-log2(frontier) + 3, unless the caller gave ``max_compiles``. The figures of out-of-memory
-errors (above the limit) calibrate the model as memory figures do (compiles left once the
-bisection converges go to the walk on that model; when that model puts full remat within
-`TIGHT` x the uncertainty of the limit, one compile more per tag goes to it, to each tag
-alone first while nothing better than full remat fits, as the rescue has with memory
-figures); a set that compiled is within the limit, and one whose error gave no figure over
-it, and the belief about its tags' effects read from the figures is conditioned on both
-(`_search._condition_on_outcomes`); and two out-of-memory figures that differ by less than `FOLLOW` of
-their sets' kept bytes, and the frontier's top (compiled then if it was not: it keeps the
-most) with them, say memory does not follow the kept bytes, as two memory figures do (then
-every tag saved, as likely to fit as any set, is compiled if it was not and a compile is
-left, before the search stops). Errors without figures say only which sets fit: where the
-bisection converges with compiles left, the model's intercept is placed between what the
-sets that fit and those that did not allow (per-byte scale and workspace slope at 1), and
-the rest go to the walk on that model (`_Search._model_by_outcomes`), which compiles no set
-holding every tag of one that ran out of memory with no figure (it keeps more, by an
-amount no figure bounds: `_Search._scored`).
+(arguments, outputs, less donated state, kept and recomputed reads), from its middle, as
+with memory figures where full remat fits with room (here whatever the room: no figure tells
+it), within a budget of its own: at most 2 + ceil(log2(frontier - 1)) compiles
+(`_oracle_cap`), within log2(frontier) + 3, unless the caller gave ``max_compiles``. The
+figures of out-of-memory errors (above the limit) calibrate the model as memory figures do
+(compiles left once the bisection converges go to the walk on that model; when that model
+puts full remat within `TIGHT` x the uncertainty of the limit, one compile more per tag goes
+to it, to each tag alone first while nothing better than full remat fits, as the rescue has
+with memory figures); a set that compiled is within the limit, and one whose error gave no
+figure over it, and the belief about its tags' effects read from the figures is conditioned
+on both (`_search._condition_on_outcomes`); and two out-of-memory figures that differ by
+less than `FOLLOW` of their sets' kept bytes, and the frontier's top (compiled then if it
+was not: it keeps the most) with them, say memory does not follow the kept bytes, as two
+memory figures do (then every tag saved, as likely to fit as any set, is compiled if it was
+not and a compile is left, before the search stops). Errors without figures say only which
+sets fit: where the bisection converges with compiles left, the model's intercept is placed
+between what the sets that fit and those that did not allow (per-byte scale and workspace
+slope at 1), and the rest go to the walk on that model (`_Search._model_by_outcomes`), which
+compiles no set holding every tag of one that ran out of memory with no figure (it keeps
+more, by an amount no figure bounds: `_Search._scored`).
 
 Two steps are reported rather than planned: one whose policy changes nothing (full remat
 and the search's second set compile to the same program: `PolicyIgnoredError`), and one

@@ -301,11 +301,13 @@ def _condition_on_outcomes(mean: np.ndarray, cov: np.ndarray, sets: np.ndarray,
 
 
 def _mills(z: float) -> float:
-    """phi(z) / Phi(z), the standard normal's density over its distribution function;
-    about -z far below 0, where both underflow (Phi by erfc: 1 + erf loses its digits there)."""
+    """phi(z) / Phi(z), the standard normal's density over its distribution function (Phi
+    by erfc: 1 + erf loses its digits below about -8); -z below -30, where the quotient
+    is -z to within 0.1% and both terms head for underflow."""
     if z < -30:
         return -z
-    return math.exp(-0.5 * z * z) / math.sqrt(2 * math.pi) / (0.5 * math.erfc(-z / math.sqrt(2)))
+    phi = 0.5 * math.erfc(-z / math.sqrt(2.0))
+    return math.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi) / phi
 
 
 def _phi(z: float) -> float:
