@@ -300,6 +300,11 @@ def _condition_on_outcomes(mean: np.ndarray, cov: np.ndarray, sets: np.ndarray,
     return mean, cov
 
 
+def _marks(tags: Sequence[str], sets: Sequence[tuple[str, ...]]) -> np.ndarray:
+    """One row per save set of `sets`, 1.0 in the column of each of `tags` it saves."""
+    return np.array([[float(t in s) for t in tags] for s in sets]).reshape(len(sets), len(tags))
+
+
 def _mills(z: float) -> float:
     """phi(z) / Phi(z), the standard normal's density over its distribution function (Phi
     by erfc: 1 + erf loses its digits below about -8); -z below -30, where the quotient
@@ -475,7 +480,7 @@ class _Search:
             if outcomes:
                 tags, mean, cov, eps2 = self._gp
                 mean, cov = _condition_on_outcomes(
-                    mean, cov, np.array([[float(t in s) for t in tags] for s, _ in outcomes]),
+                    mean, cov, _marks(tags, [s for s, _ in outcomes]),
                     np.array([self.limit - self.model.predict(self._by[s].stored,
                                                               self._by[s].read)
                               for s, _ in outcomes], float),
@@ -489,8 +494,7 @@ class _Search:
         """The per-tag effects' posterior from (save set, miss) rows: the tags, the mean
         and covariance of their effects, and the noise variance of one set."""
         tags, corr = self._alike()
-        x = np.array([[float(t in s) for t in tags] for s, _ in rows]).reshape(
-            len(rows), len(tags))
+        x = _marks(tags, [s for s, _ in rows])
         y = np.array([r for _, r in rows], float)
         tau2, eps2 = (TAG_SD * self._scale) ** 2, (SET_SD * self._scale) ** 2
         prior = tau2 * corr
@@ -504,7 +508,7 @@ class _Search:
         """The summed effect of `saved`'s tags under the belief `_tag_effect` holds, and
         its variance (one set's noise included)."""
         tags, mean, cov, eps2 = self._gp
-        v = np.array([float(t in saved) for t in tags])
+        v = _marks(tags, [saved])[0]
         return float(v @ mean), max(float(v @ cov @ v), 0.0) + eps2
 
     def _alike(self) -> tuple[list[str], np.ndarray]:
