@@ -311,8 +311,8 @@ def _mills(z: float) -> float:
     is -z to within 0.1% and both terms head for underflow."""
     if z < -30:
         return -z
-    phi = 0.5 * math.erfc(-z / math.sqrt(2.0))
-    return math.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi) / phi
+    cdf = 0.5 * math.erfc(-z / math.sqrt(2.0))
+    return math.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi) / cdf
 
 
 def _phi(z: float) -> float:
