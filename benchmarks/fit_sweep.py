@@ -358,6 +358,7 @@ def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
     share = flops_share(graph, brute.spec)
     flops0 = brute.get(None)["flops"]
     budget = {} if max_compiles is None else {"max_compiles": max_compiles}
+    args = brute.spec.abstract_args()  # shapes only: one build serves every size
     rows = []
     for hbm in sizes:
         counter[0] = 0
@@ -370,7 +371,7 @@ def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
                                "best_overhead": None if best is None else
                                share * (best[0] - flops0)}
         try:
-            plan = nr.fit(ms, *brute.spec.abstract_args(), device=device, reserve=0,
+            plan = nr.fit(ms, *args, device=device, reserve=0,
                           candidates=None if own_pool else list(brute.tags),
                           progress=lambda line: None, **budget)
         except nr.NoFitError:

@@ -229,8 +229,26 @@ class LayerGraph:
                                    if v not in params))
 
     def evaluate_roles(self, roles: Iterable[str]) -> Evaluation:
-        chosen = frozenset(roles)
-        return self.evaluate(lambda v: v.role is not None and v.role in chosen)
+        """`evaluate` with the values of `roles` saveable (names that are no role of this
+        layer are ignored). Remembered per set: the search asks the same sets again (its
+        bytes, stored bytes, FLOPs and reads of one candidate are four questions)."""
+        chosen = self._roles.intersection(roles)
+        cache = self._by_roles
+        ev = cache.get(chosen)
+        if ev is None:
+            if len(cache) >= MEMO_LIMIT:
+                cache.clear()
+            ev = cache[chosen] = self.evaluate(
+                lambda v: v.role is not None and v.role in chosen)
+        return ev
+
+    @functools.cached_property
+    def _roles(self) -> frozenset[str]:
+        return frozenset(v.role for v in self.values.values() if v.role is not None)
+
+    @functools.cached_property
+    def _by_roles(self) -> dict[frozenset[str], Evaluation]:
+        return {}
 
     # -- fast exact evaluation of tag sets ---------------------------------------------
 
