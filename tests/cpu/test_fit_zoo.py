@@ -50,9 +50,50 @@ def _device(hbm: int) -> nr.DeviceSpec:
 SMALL = dataclasses.replace(zoo.ZOO["wide-attn-mqa-adafactor"], layers=3, seq=64)
 
 
+class _EachProgramOnce:
+    """`make_step` whose steps compile each distinct program once, by its lowered text: the
+    tests below compile the same save sets of one step again and again, and XLA compiles
+    one program to the same executable, figures and all. A plan whose policy differs from
+    what `fit` compiled lowers to another text, so its check compiles it afresh."""
+
+    def __init__(self, make_step):
+        self._make_step, self._compiled = make_step, {}
+
+    def __call__(self, policy):
+        return _OnceStep(self._make_step(policy), self._compiled)
+
+
+class _OnceStep:
+    def __init__(self, step, compiled):
+        self._step, self._compiled = step, compiled
+
+    def __call__(self, *args, **kwargs):
+        return self._step(*args, **kwargs)
+
+    def trace(self, *args):
+        return self._step.trace(*args)
+
+    def lower(self, *args):
+        return _OnceLowered(self._step.lower(*args), self._compiled)
+
+
+class _OnceLowered:
+    def __init__(self, lowered, compiled):
+        self._lowered, self._compiled = lowered, compiled
+
+    def __getattr__(self, name):
+        return getattr(self._lowered, name)
+
+    def compile(self):
+        text = self._lowered.as_text()
+        if text not in self._compiled:
+            self._compiled[text] = self._lowered.compile()
+        return self._compiled[text]
+
+
 @pytest.fixture(scope="module")
 def small():
-    make_step, args = SMALL.make_step(), SMALL.abstract_args()
+    make_step, args = _EachProgramOnce(SMALL.make_step()), SMALL.abstract_args()
     full = _measure(make_step(save_only_these_names()), args)
     return make_step, args, full
 
