@@ -940,7 +940,18 @@ class _Search:
         (`hi`; -1 while none came out over, the top a candidate too): once figures (memory
         or out-of-memory) have calibrated the model, the least-recompute set between them
         predicted within the limit (the interval's midpoint when none is, or no figure
-        came); otherwise the midpoint."""
+        came); otherwise the midpoint.
+
+        Tried and not kept: the set of greatest expected gain (chance to fit x recompute
+        saved against the best compiled set that fits, no remat left out), as the walk
+        picks. On the train steps it gained more than it lost (rope-gqa2-bf16 with memory
+        figures and with the oracle's from 99% of sizes within 0.5 points and 1.18 at most
+        to 100% and 0; moe8-rope-sgd with the oracle's from 98% and 1.29 to 100% and 0.43,
+        with memory figures 98% -> 97%); held out it lost more than it gained
+        (moe8-rope-sgd-fsdp8 with the oracle's figures 98% and 1.83 -> 92% and 7.15;
+        moe-fused-qkv-fsdp8 with memory figures 97% and 3.60 -> 94% and 7.33; eqx-llama's
+        largest miss 0.57 -> 1.68 with memory figures, 0 -> 1.68 with the oracle's;
+        eqx-llama-accum4 with the oracle's 95% -> 98%)."""
         mid = (lo + hi) // 2
         if self.model is None:
             return mid
