@@ -37,6 +37,9 @@ so each distinct program (128 here) is compiled once (``--exhaustive all``, the 
 also with ``--small``). ``--exhaustive top`` compiles only the `--top` best subsets per
 budget by the analytic model: that is no optimum (the model picks the candidates), so the
 results then carry ``best_of_top`` instead of ``optimum`` and no planner-vs-optimum claim.
+With ``--small`` (the smoke run) the programs' figures are read from a committed table
+(`PROGRAMS_SMALL`, keyed by each lowered program's text) where this compiler wrote it,
+and three of them are compiled again and held to it; ``--no-tables`` compiles them all.
 
 Nothing here is executed, so code generation is made cheap: the CPU backend's legacy
 (non-MLIR) fusion emitters at LLVM -O0 (``xla_cpu_use_fusion_emitters=False``,
@@ -54,7 +57,9 @@ no-remat step, ~1e-6: a dozen FLOPs of 10^7).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
+import json
 import math
 import sys
 import time
@@ -130,6 +135,66 @@ class Row:
         return self.compiled[layers].flops
 
 
+def compile_lowered(lowered: Any, options: dict[str, Any], t0: float) -> Compiled:
+    """XLA's FLOPs and temp bytes of `lowered` compiled with `options`; its compile time
+    counted from `t0` (the lowering's start)."""
+    exe = lowered.compile(options) if options else lowered.compile()
+    seconds = time.perf_counter() - t0
+    cost = exe.cost_analysis()
+    if isinstance(cost, (list, tuple)):  # older JAX: one dict per computation
+        cost = cost[0]
+    return Compiled(float(cost["flops"]), int(exe.memory_analysis().temp_size_in_bytes),
+                    seconds)
+
+
+PROGRAMS_SMALL = C.REPO / "benchmarks" / "brute_force" / "frontier-small.json"
+"""``--small``'s compiles, committed (``--write-programs`` writes them): the smoke run in
+CI reads its ~400 programs from here where the same compiler made them, instead of
+compiling each (about 200 s on 2 cores)."""
+
+
+class ProgramTable:
+    """XLA's figures of compiled programs, by the SHA-256 of the lowered program's text and
+    the compile options, with the compiler that made them (`fit_sweep.compiled_with`). A
+    program is served only where this compiler is that one; a changed layer lowers to
+    another text, so it is compiled, never served a stale row."""
+
+    def __init__(self, path: Path, read: bool = True) -> None:
+        import fit_sweep  # noqa: PLC0415  (compiled_with, _same_compiler)
+
+        self.path, self.here = path, fit_sweep.compiled_with()
+        self.rows: dict[str, list[float]] = {}
+        self.served = self.added = self.checked = 0
+        if read and path.exists():
+            data = json.loads(path.read_text())
+            if fit_sweep._same_compiler(data["compiled_with"], self.here):
+                self.rows = data["programs"]
+
+    @staticmethod
+    def _key(lowered: Any, options: dict[str, Any]) -> str:
+        text = lowered.as_text() + json.dumps(options, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def get(self, lowered: Any, options: dict[str, Any]) -> Compiled | None:
+        row = self.rows.get(self._key(lowered, options))
+        if row is None:
+            return None
+        self.served += 1
+        return Compiled(float(row[0]), int(row[1]), float(row[2]))
+
+    def put(self, lowered: Any, options: dict[str, Any], c: Compiled) -> None:
+        self.rows[self._key(lowered, options)] = [c.flops, c.temp_bytes, c.seconds]
+        self.added += 1
+
+    def write(self) -> Path:
+        return C.write_json(self.path, {"compiled_with": self.here,
+                                        "programs": dict(sorted(self.rows.items()))})
+
+    def summary(self) -> dict[str, Any]:
+        return {"path": str(self.path), "served": self.served, "compiled": self.added,
+                "checked_here": self.checked}
+
+
 class Bench:
     """The layer stack, and cached measurements: one compile per distinct program."""
 
@@ -166,6 +231,7 @@ class Bench:
         self._residuals: dict[Any, Residuals] = {}
         self._compiled: dict[tuple[Any, int], Compiled] = {}
         self.compile_seconds = 0.0
+        self.programs: ProgramTable | None = None  # compiles served by lowered text
 
     def layer_fn(self, x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
         return ref.layer(x, p, self.config)
@@ -213,17 +279,40 @@ class Bench:
         t = time.perf_counter()
         lowered = jax.jit(jax.grad(loss)).lower(self.stack_params[layers], self.x)
         opts = self.compile_options if options is None else options
-        exe = lowered.compile(opts) if opts else lowered.compile()
-        seconds = time.perf_counter() - t
-        cost = exe.cost_analysis()
-        if isinstance(cost, (list, tuple)):  # older JAX: one dict per computation
-            cost = cost[0]
-        out = Compiled(float(cost["flops"]), int(exe.memory_analysis().temp_size_in_bytes),
-                       seconds)
-        self.compile_seconds += seconds
+        served = None if self.programs is None or options is not None else \
+            self.programs.get(lowered, opts)
+        if served is not None:
+            out = served
+        else:
+            out = compile_lowered(lowered, opts, t)
+            if self.programs is not None and options is None:
+                self.programs.put(lowered, opts, out)
+        self.compile_seconds += out.seconds
         if options is None:
             self._compiled[key] = out
         return out
+
+    def check_programs(self, policy: Any, layers: int) -> None:
+        """Compile `policy`'s program here and hold the table's row to it (SystemExit on
+        a difference: the table is not this compiler's)."""
+        if self.programs is None:
+            return
+        config = self.config
+
+        def loss(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+            return jnp.mean(ref.stack(x, p, config, policy=policy, scan=True) ** 2)
+
+        lowered = jax.jit(jax.grad(loss)).lower(self.stack_params[layers], self.x)
+        row = self.programs.get(lowered, self.compile_options)
+        if row is None:
+            return
+        real = compile_lowered(lowered, self.compile_options, time.perf_counter())
+        self.programs.checked += 1
+        if (real.flops, real.temp_bytes) != (row.flops, row.temp_bytes):
+            raise SystemExit(f"{self.programs.path}: a program compiles here to "
+                             f"{real.flops} FLOPs, {real.temp_bytes} temp bytes, the table "
+                             f"says {row.flops}, {row.temp_bytes}: write it again "
+                             "(--write-programs) or run with --no-tables")
 
     def cached(self, policy: Any, layers: int) -> Compiled | None:
         return self._compiled.get((self.residuals(policy).signature, layers))
@@ -358,6 +447,7 @@ def measure(args: Any, say: C.Printer) -> dict[str, Any]:
         raise SystemExit("--layers needs two or more layer counts, each >= 2")
     t0 = time.perf_counter()
     bench = Bench(size, layers, {} if args.default_codegen else FAST_CODEGEN)
+    bench.programs = programs_of(args)
     say(f"layer: hidden {size.hidden}, heads {size.heads} (kv {size.kv_heads}), ffn "
         f"{size.ffn}, seq {size.seq}, micro-batch {size.batch}, float32; scan over "
         f"{list(layers)} layers")
@@ -378,23 +468,47 @@ def measure(args: Any, say: C.Printer) -> dict[str, Any]:
         f"{bench.programs_compiled - named_programs} more for the subsets "
         f"({time.perf_counter() - t_sub:.0f} s)")
     check = codegen_check(bench, rows)
+    for row in rows[:3]:  # served rows held to this compiler: no remat, full, dots
+        bench.check_programs(row.policy, layers[0])
     out = summarise(bench, rows, subs, budget_list, args, time.perf_counter() - t0) | {
         "codegen_check": check}
     if not args.no_fused:
         t_fused = time.perf_counter()
-        out["fused"] = measure_fused(size, layers[0], bench.compile_options, args)
+        out["fused"] = measure_fused(size, layers[0], bench.compile_options, args,
+                                     bench.programs)
         say(f"fused q/k/v variant measured ({time.perf_counter() - t_fused:.0f} s)")
+    if bench.programs is not None:
+        out["programs"] = bench.programs.summary()
+        say(f"{bench.programs.served} programs served from {bench.programs.path} "
+            f"({bench.programs.checked} of them compiled again here and equal), "
+            f"{bench.programs.added} compiled")
+        if args.write_programs:
+            say(f"wrote {bench.programs.write()}")
     return out
+
+
+def programs_of(args: Any) -> ProgramTable | None:
+    """The table of compiled programs the run reads (``--small``: `PROGRAMS_SMALL`, unless
+    ``--no-tables``) or writes (``--write-programs``)."""
+    if args.write_programs:
+        if args.write_programs == PROGRAMS_SMALL and not args.small:
+            raise SystemExit(f"--write-programs: {PROGRAMS_SMALL} holds --small's programs; "
+                             "give another path for these sizes")
+        return ProgramTable(args.write_programs, read=False)
+    if args.small and not args.no_tables:
+        return ProgramTable(PROGRAMS_SMALL)
+    return None
 
 
 AXLEARN_TRN2 = r".*[kqv]_proj|.*linear1_[01]"
 AXLEARN_DEFAULT = r".*([qkvo]_proj|context)"
 
 
-def measure_fused(size: C.Size, layers: int, options: dict[str, Any], args: Any
-                  ) -> dict[str, Any]:
+def measure_fused(size: C.Size, layers: int, options: dict[str, Any], args: Any,
+                  programs: ProgramTable | None = None) -> dict[str, Any]:
     """The fused q/k/v layer, planned from its traced footprint (see the module docstring)."""
     bench = Bench(size, (layers,), options, fused_qkv=True)
+    bench.programs = programs
     t = time.perf_counter()
     fp = nr.traced_footprint(bench.layer_fn, bench.x, bench.layer_params)
     footprint_s = time.perf_counter() - t
@@ -665,7 +779,10 @@ def report(res: dict[str, Any]) -> str:
         f"over budget (measured) at {len(misfit)} (ties: within {TIE:g} of the step); "
         f"largest gap to the optimum {max_gap:+.2g} of the step",
         f"compiled {res['programs_compiled']} programs in {res['compile_seconds']:.0f} s "
-        f"({res['seconds']:.0f} s in all); FLOPs at {n0} vs {n1} layers differ by at most "
+        + (f"(with the fused run's, {res['programs']['served']} read from the committed "
+           "table, at the compile times it recorded) " if res.get("programs", {}).get(
+               "served") else "")
+        + f"({res['seconds']:.0f} s in all); FLOPs at {n0} vs {n1} layers differ by at most "
         f"{100 * res['flops_layer_count_spread']:.3f}%; default code generation "
         f"{'agrees' if res['codegen_check']['same'] else 'DISAGREES'} "
         f"({res['codegen_check']['policy']})",
@@ -815,6 +932,12 @@ def build_parser() -> Any:
     p.add_argument("--default-codegen", action="store_true",
                    help="compile with XLA's default CPU code generation (slower, same figures)")
     p.add_argument("--png", type=Path, default=None, help="plot (default OUT/frontier.png)")
+    p.add_argument("--no-tables", action="store_true",
+                   help="with --small: compile every program here instead of reading the "
+                        "committed benchmarks/brute_force/frontier-small.json")
+    p.add_argument("--write-programs", type=Path, nargs="?", const=PROGRAMS_SMALL,
+                   default=None, help="compile every program and write their figures to "
+                   "this file (with --small: the committed table)")
     return p
 
 

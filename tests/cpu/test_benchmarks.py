@@ -131,6 +131,20 @@ def test_frontier_policies_are_measured(out):
         assert r["temp_slope_bytes"] > 0
     assert len(fr["subsets"]) == 256
     assert all(s["predicted_bytes"] == s["saved_bytes"] for s in fr["subsets"])
+    # --small reads its programs from the committed table where this compiler wrote it:
+    # then three are compiled again here and held to it (a difference stops the run), and
+    # the code generation check compiles one more with XLA's default options
+    assert fr["codegen_check"]["same"]
+    with benchmarks_on_path():
+        import fit_sweep
+        import frontier
+
+        table = json.loads(frontier.PROGRAMS_SMALL.read_text())["compiled_with"]
+        if fit_sweep._same_compiler(table, fit_sweep.compiled_with()):
+            # the table's keys are this compiler's lowered texts: all served, none compiled
+            assert fr["programs"]["served"] > 250 and fr["programs"]["compiled"] == 0
+    if fr.get("programs", {}).get("served"):
+        assert fr["programs"]["checked_here"] == 3
     png = (out / "frontier.png").read_bytes()
     assert png.startswith(PNG_MAGIC) and len(png) > 10_000
 
