@@ -38,6 +38,9 @@ sys.path.insert(0, str(ROOT))
 from examples import fit_demo  # noqa: E402
 from xla_figures import compiled_bytes, compiled_flops  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import fit_sweep as FS  # noqa: E402  (compiled_with: what a table's figures depend on)
+
 F = importlib.import_module("neuron_remat._fit")
 S = importlib.import_module("neuron_remat._search")  # the search and its constants
 
@@ -87,14 +90,50 @@ def graph(step):
     return F.step_graph(make_step, *args)
 
 
+TABLE = Path(__file__).resolve().parent / "data" / "fit-demo-small-compiles.json"
+"""The brute force below, committed with the JAX and XLA flags that compiled it
+(`FS.compiled_with`): XLA:CPU compiles deterministically, so where this environment is the
+one that compiled it the table stands in for 65 compiles (minutes on 2 shared cores).
+Written by ``python tests/cpu/test_fit.py --write-table``."""
+
+
+def _compile_all(make_step, args, tags) -> dict:
+    """Every tag subset compiled, and no remat (key None)."""
+    table = {None: _measure(make_step(jax.checkpoint_policies.everything_saveable), args)}
+    for r in range(len(tags) + 1):
+        for subset in itertools.combinations(tags, r):
+            table[subset] = _measure(make_step(save_only_these_names(*subset)), args)
+    return table
+
+
+def _committed(tags) -> dict | None:
+    """`TABLE`'s compiles where this JAX, jaxlib, backend and XLA flags made them and it
+    covers `tags` in this order; None otherwise."""
+    if not TABLE.exists():
+        return None
+    data = json.loads(TABLE.read_text())
+    if data["tags"] != list(tags) or not FS._same_compiler(data["compiled_with"],
+                                                           FS.compiled_with()):
+        return None
+    return {None if k == FS.NO_REMAT else tuple(k.split(",")) if k else ():
+            Compiled(tuple(v["memory"]), v["flops"]) for k, v in data["sets"].items()}
+
+
 @pytest.fixture(scope="module")
 def brute(step, graph):
-    """Every tag subset compiled, and no remat."""
+    """Every tag subset compiled, and no remat: the committed table where this environment
+    compiled it, with full remat, every tag saved and no remat compiled again here and held
+    to their rows (and every plan the sweep returns is compiled again, `_confirm`); else
+    all 65 compiled here."""
     make_step, args = step
-    table = {None: _measure(make_step(jax.checkpoint_policies.everything_saveable), args)}
-    for r in range(len(graph.tags) + 1):
-        for subset in itertools.combinations(graph.tags, r):
-            table[subset] = _measure(make_step(save_only_these_names(*subset)), args)
+    table = _committed(graph.tags)
+    if table is None:
+        return _compile_all(make_step, args, graph.tags)
+    assert len(table) == 2 ** len(graph.tags) + 1
+    for key in ((), tuple(graph.tags), None):
+        policy = (jax.checkpoint_policies.everything_saveable if key is None
+                  else save_only_these_names(*key))
+        assert _measure(make_step(policy), args) == table[key], key
     return table
 
 
@@ -514,3 +553,26 @@ def test_analytic_plan_checks_each_set_with_its_own_workspace():
         assert plan.recompute_flops_per_layer == least
     with pytest.raises(nr.NoFitError):
         nr.plan(_device(full - 1), CONFIG, SHAPE, par, reserve=0)
+
+
+def _write_table() -> None:
+    """Compile the brute force and write `TABLE` (run with conftest's XLA flags)."""
+    make_step, args = fit_demo.make_step_factory(CONFIG), fit_demo.abstract_args(CONFIG)
+    tags = F.step_graph(make_step, *args).tags
+    table = _compile_all(make_step, args, tags)
+    sets = {FS.NO_REMAT if k is None else ",".join(k): {"memory": list(c.memory),
+                                                        "flops": c.flops}
+            for k, c in table.items()}
+    TABLE.write_text(json.dumps({"step": "examples/fit_demo.py SMALL", "tags": list(tags),
+                                 "compiled_with": FS.compiled_with(), "sets": sets},
+                                indent=1) + "\n")
+    print(f"wrote {TABLE}: {len(sets)} compiles")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write-table"]:
+        sys.exit("usage: python tests/cpu/test_fit.py --write-table")
+    sys.path.insert(0, str(ROOT / "tests"))
+    import conftest  # noqa: F401  (sets the tests' XLA flags before the first compile)
+
+    _write_table()
