@@ -149,8 +149,8 @@ def compile_lowered(lowered: Any, options: dict[str, Any], t0: float) -> Compile
 
 PROGRAMS_SMALL = C.REPO / "benchmarks" / "brute_force" / "frontier-small.json"
 """``--small``'s compiles, committed (``--write-programs`` writes them): the smoke run in
-CI reads its ~400 programs from here where the same compiler made them, instead of
-compiling each (about 200 s on 2 cores)."""
+CI reads its 277 programs from here where the same compiler made them, instead of
+compiling each (191 s -> 75 s for the whole script on 2 cores)."""
 
 
 class ProgramTable:
@@ -175,12 +175,17 @@ class ProgramTable:
         text = lowered.as_text() + json.dumps(options, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()
 
-    def get(self, lowered: Any, options: dict[str, Any]) -> Compiled | None:
+    def row(self, lowered: Any, options: dict[str, Any]) -> Compiled | None:
+        """The table's figures of `lowered` compiled with `options`; None where it has
+        none."""
         row = self.rows.get(self._key(lowered, options))
-        if row is None:
-            return None
-        self.served += 1
-        return Compiled(float(row[0]), int(row[1]), float(row[2]))
+        return None if row is None else Compiled(float(row[0]), int(row[1]), float(row[2]))
+
+    def get(self, lowered: Any, options: dict[str, Any]) -> Compiled | None:
+        """`row`, counted as served."""
+        out = self.row(lowered, options)
+        self.served += out is not None
+        return out
 
     def put(self, lowered: Any, options: dict[str, Any], c: Compiled) -> None:
         self.rows[self._key(lowered, options)] = [c.flops, c.temp_bytes, c.seconds]
@@ -271,13 +276,8 @@ class Bench:
         key = (self.residuals(policy).signature, layers)
         if options is None and key in self._compiled:
             return self._compiled[key]
-        config = self.config
-
-        def loss(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-            return jnp.mean(ref.stack(x, p, config, policy=policy, scan=True) ** 2)
-
         t = time.perf_counter()
-        lowered = jax.jit(jax.grad(loss)).lower(self.stack_params[layers], self.x)
+        lowered = self._lower(policy, layers)
         opts = self.compile_options if options is None else options
         served = None if self.programs is None or options is not None else \
             self.programs.get(lowered, opts)
@@ -297,13 +297,8 @@ class Bench:
         a difference: the table is not this compiler's)."""
         if self.programs is None:
             return
-        config = self.config
-
-        def loss(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-            return jnp.mean(ref.stack(x, p, config, policy=policy, scan=True) ** 2)
-
-        lowered = jax.jit(jax.grad(loss)).lower(self.stack_params[layers], self.x)
-        row = self.programs.get(lowered, self.compile_options)
+        lowered = self._lower(policy, layers)
+        row = self.programs.row(lowered, self.compile_options)
         if row is None:
             return
         real = compile_lowered(lowered, self.compile_options, time.perf_counter())
@@ -313,6 +308,15 @@ class Bench:
                              f"{real.flops} FLOPs, {real.temp_bytes} temp bytes, the table "
                              f"says {row.flops}, {row.temp_bytes}: write it again "
                              "(--write-programs) or run with --no-tables")
+
+    def _lower(self, policy: Any, layers: int) -> Any:
+        """The gradient step over `layers` scanned layers under `policy`, lowered."""
+        config = self.config
+
+        def loss(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
+            return jnp.mean(ref.stack(x, p, config, policy=policy, scan=True) ** 2)
+
+        return jax.jit(jax.grad(loss)).lower(self.stack_params[layers], self.x)
 
     def cached(self, policy: Any, layers: int) -> Compiled | None:
         return self._compiled.get((self.residuals(policy).signature, layers))
