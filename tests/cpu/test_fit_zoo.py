@@ -1080,3 +1080,33 @@ def test_the_walk_goes_on_beside_a_tag_outside_the_pool_that_fits(oracle):
                          beside=lambda t: [g, *(with_g(k[:-1]) for k in beside)])
     assert got is not None and got.saved == ("a", "g"), (calls, s.stop)
     assert table[got.saved] <= limit
+
+
+def _gpt_oss_compiles():
+    """MaxText 0.2.5's gpt-oss step (tests/cpu/maxtext_zoo.py) as `fit` sees it, in the
+    format of `_gqa4_adamw_compiles` (data/SOURCES.md): candidates and compiled bytes."""
+    sets = json.loads((Path(__file__).parent / "data" / "maxtext-gpt-oss-compiles.json")
+                      .read_text())["sets"]
+    key = [None if s is None else tuple(s) for s, *_ in sets]
+    cands = sorted((S._Candidate(k, kept, read, flops, stored)
+                    for k, (_, kept, stored, read, flops, _) in zip(key, sets)), key=S._order)
+    return cands, {k: row[5] for k, row in zip(key, sets)}
+
+
+@pytest.mark.parametrize("figures", [True, False])
+def test_the_oracles_rescue_walks_on_from_a_first_fit_found_with_its_cap_spent(figures):
+    """MaxText's gpt-oss at 67,749,213 bytes, the compile as the oracle: full remat, every
+    tag (and no remat, with figures) run out of memory, and so do the single tags most
+    likely to fit, until `mlpwo` alone fits with the bisection's cap (7) spent. The rescue
+    then returned `mlpwo` (33 points of recompute over the best; the table's brute force). As
+    said up front, where full remat does not fit the oracle has `stretch` compiles more:
+    the walk goes on from that fit, and the plan recomputes less than `mlpwo` alone."""
+    cands, table = _gpt_oss_compiles()
+    by = {c.saved: c for c in cands}
+    limit = 67_749_213
+    assert table[()] > limit and table[("mlpwo",)] <= limit  # the premise
+    got, s, calls = _run(cands, table, limit, oracle=True, figures=figures, stretch=7)
+    cap = S._oracle_cap(len(S._frontier(cands)))
+    assert calls.index(("mlpwo",)) + 1 >= cap  # the first fit, with the cap spent
+    assert cap < len(calls) <= cap + 7, (calls, s.stop)
+    assert table[got.saved] <= limit and got.recompute < by[("mlpwo",)].recompute
