@@ -2,11 +2,12 @@
 
 The step is examples/fit_demo.py's: a scanned decoder (grouped-KV causal attention, SwiGLU),
 AdamW inside the jitted step, the state donated. The tests' variant (`fit_demo.SMALL`) has
-eight layers and six tags, so every one of the 64 save sets is compiled once per module
-(the brute force, a few minutes on a shared CPU). At HBM sizes spread over the whole range,
-from where nothing fits to where no remat does, each plan must fit its compiled bytes, be
-within 0.5 points of step FLOPs of the best compiled save set that fits, and `fit` must
-refuse only when nothing fits.
+eight layers and six tags: the brute force is every one of the 64 save sets and no remat
+compiled, read from its committed table where this environment compiled it (`TABLE`, three
+of its rows compiled again here), else compiled once per module (a few minutes on a shared
+CPU). At HBM sizes spread over the whole range, from where nothing fits to where no remat
+does, each plan must fit its compiled bytes, be within 0.5 points of step FLOPs of the best
+compiled save set that fits, and `fit` must refuse only when nothing fits.
 
 In the sweep, `fit`'s compiles of a save set the brute force has already compiled are
 served from it (`_served`: the step is traced and lowered for real, only XLA's compile of
