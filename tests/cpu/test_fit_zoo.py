@@ -14,6 +14,7 @@ import importlib
 import itertools
 import json
 import math
+import os
 import random
 import sys
 from pathlib import Path
@@ -31,6 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import zoo  # noqa: E402
 from jaxpr_names import names_in  # noqa: E402
 from xla_figures import measure as _measure  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import fit_sweep as FS  # noqa: E402  (compiled_with; the served compile's figures)
 
 F = importlib.import_module("neuron_remat._fit")
 S = importlib.import_module("neuron_remat._search")  # the search and its constants
@@ -50,22 +54,54 @@ def _device(hbm: int) -> nr.DeviceSpec:
 SMALL = dataclasses.replace(zoo.ZOO["wide-attn-mqa-adafactor"], layers=3, seq=64)
 
 
+PROGRAMS = Path(__file__).resolve().parent / "data" / "fit-zoo-small-programs.json"
+"""XLA's figures of the programs `fit` compiles in the tests on `SMALL` below, by the
+SHA-256 of each lowered program's text, with the compiler that made them
+(`fit_sweep.compiled_with`): where this compiler is that one, `fit`'s compiles are read
+from it; each plan's own policy is compiled here all the same (`_EachProgramOnce.real`).
+``NEURON_REMAT_WRITE_PROGRAMS=1 python -m pytest tests/cpu/test_fit_zoo.py`` writes it from
+the programs compiled in that run."""
+
+
 class _EachProgramOnce:
     """`make_step` whose steps compile each distinct program once, by its lowered text: the
     tests below compile the same save sets of one step again and again, and XLA compiles
-    one program to the same executable, figures and all. A plan whose policy differs from
-    what `fit` compiled lowers to another text, so its check compiles it afresh."""
+    one program to the same executable, figures and all. `fit`'s compiles are read from
+    `PROGRAMS` where it holds the program (its compiler being this one); `real` gives steps
+    that compile here (once per program), for the figures each plan is held to."""
 
     def __init__(self, make_step):
-        self._make_step, self._compiled = make_step, {}
+        self._make_step, self._compiled, self.rows, self.served = make_step, {}, {}, 0
+        if PROGRAMS.exists():
+            data = json.loads(PROGRAMS.read_text())
+            if FS._same_compiler(data["compiled_with"], FS.compiled_with()):
+                self.rows = data["programs"]
 
     def __call__(self, policy):
-        return _OnceStep(self._make_step(policy), self._compiled)
+        return _OnceStep(self._make_step(policy), self, served=True)
+
+    def real(self, policy):
+        return _OnceStep(self._make_step(policy), self, served=False)
+
+    def write(self) -> None:
+        """`PROGRAMS`, from every program compiled here in this run."""
+        rows = {_sha(text): {**FS.C.memory_row(c), "flops": FS.C.compiled_flops(c),
+                             "transcendentals": FS.C.compiled_transcendentals(c)}
+                for text, c in self._compiled.items()}
+        PROGRAMS.write_text(json.dumps({"compiled_with": FS.compiled_with(),
+                                        "programs": dict(sorted(rows.items()))},
+                                       indent=1) + "\n")
+
+
+def _sha(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class _OnceStep:
-    def __init__(self, step, compiled):
-        self._step, self._compiled = step, compiled
+    def __init__(self, step, programs, served):
+        self._step, self._programs, self._served = step, programs, served
 
     def __call__(self, *args, **kwargs):
         return self._step(*args, **kwargs)
@@ -74,28 +110,35 @@ class _OnceStep:
         return self._step.trace(*args)
 
     def lower(self, *args):
-        return _OnceLowered(self._step.lower(*args), self._compiled)
+        return _OnceLowered(self._step.lower(*args), self._programs, self._served)
 
 
 class _OnceLowered:
-    def __init__(self, lowered, compiled):
-        self._lowered, self._compiled = lowered, compiled
+    def __init__(self, lowered, programs, served):
+        self._lowered, self._programs, self._served = lowered, programs, served
 
     def __getattr__(self, name):
         return getattr(self._lowered, name)
 
     def compile(self):
-        text = self._lowered.as_text()
-        if text not in self._compiled:
-            self._compiled[text] = self._lowered.compile()
-        return self._compiled[text]
+        text, p = self._lowered.as_text(), self._programs
+        if text in p._compiled:
+            return p._compiled[text]
+        row = p.rows.get(_sha(text)) if self._served else None
+        if row is not None:
+            p.served += 1
+            return FS._CachedCompiled(row)
+        p._compiled[text] = self._lowered.compile()
+        return p._compiled[text]
 
 
 @pytest.fixture(scope="module")
 def small():
     make_step, args = _EachProgramOnce(SMALL.make_step()), SMALL.abstract_args()
-    full = _measure(make_step(save_only_these_names()), args)
-    return make_step, args, full
+    full = _measure(make_step.real(save_only_these_names()), args)
+    yield make_step, args, full
+    if os.environ.get("NEURON_REMAT_WRITE_PROGRAMS") == "1":
+        make_step.write()
 
 
 def test_plan_states_its_policys_compile(small):
@@ -104,12 +147,15 @@ def test_plan_states_its_policys_compile(small):
     assert hbm - full_bytes > S.TIGHT * S.DEFAULT_BAND * full_bytes
     plan = nr.fit(make_step, *args, device=_device(hbm), reserve=0)
     rec = plan.compiled
-    got = _measure(make_step(plan.policy), args)  # XLA, on the policy the plan carries
+    got = _measure(make_step.real(plan.policy), args)  # XLA, on the policy the plan carries
     assert rec.measured and got == (rec.bytes, rec.flops)
     assert got[0] <= hbm
     assert got[1] <= full_flops  # never worse than full remat
     assert rec.compiles <= 6
     assert rec.stop and f"search: {rec.stop}" in plan.notes  # why it stopped, said twice
+    # where this compiler wrote PROGRAMS, fit's compiles were read from it (the check above
+    # compiled the plan's policy here)
+    assert not make_step.rows or make_step.served > 0
 
 
 @pytest.mark.parametrize("figures", [True, False], ids=["with-figures", "no-figures"])
@@ -125,7 +171,7 @@ def test_oracle_bisects_and_its_plan_fits(small, figures):
                   device=_device(hbm), reserve=0, progress=lines.append)
     rec = plan.compiled
     assert not rec.measured and any("oracle" in n for n in plan.notes)
-    got = _measure(make_step(plan.policy), args)
+    got = _measure(make_step.real(plan.policy), args)
     assert got[0] <= hbm and got[1] == rec.flops
     graph = F.step_graph(make_step, *args)
     front = S._frontier(S._candidates(graph, G._pool(graph, None)))
@@ -150,7 +196,7 @@ def test_oracle_explores_more_where_its_figures_put_full_remat_close_to_the_limi
     cap = S._oracle_cap(len(S._frontier(S._candidates(graph, tags))))
     assert any(f"{len(tags)} compiles more" in line for line in lines), lines
     assert cap < plan.compiled.compiles <= cap + len(tags)
-    assert _measure(make_step(plan.policy), args)[0] <= hbm
+    assert _measure(make_step.real(plan.policy), args)[0] <= hbm
 
 
 def test_oracle_keeps_to_max_compiles(small):
@@ -163,7 +209,7 @@ def test_oracle_keeps_to_max_compiles(small):
                   reserve=0, max_compiles=3, progress=lines.append)
     assert plan.compiled.compiles <= 3
     assert any("at most 3 compiles in all" in line for line in lines), lines
-    assert _measure(make_step(plan.policy), args)[0] <= hbm
+    assert _measure(make_step.real(plan.policy), args)[0] <= hbm
 
 
 def test_max_compiles_given_is_a_hard_cap(small):
@@ -179,7 +225,7 @@ def test_max_compiles_given_is_a_hard_cap(small):
                   progress=lines.append)
     assert plan.compiled.compiles <= 4
     assert any("at most 4 compiles (max_compiles)" in line for line in lines), lines
-    assert _measure(make_step(plan.policy), args)[0] <= hbm
+    assert _measure(make_step.real(plan.policy), args)[0] <= hbm
 
 
 def test_a_step_whose_layers_gather_is_read_and_planned():
