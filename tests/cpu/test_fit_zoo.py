@@ -713,17 +713,22 @@ def test_with_memory_figures_the_bisection_goes_where_the_model_puts_a_fit():
     assert got.saved == every.saved
 
 
-def _gqa4_adamw_compiles():
-    """zoo.py's gqa4-adamw as `fit` sees it: each of the 257 save sets' kept, stored and
-    read bytes and recompute FLOPs from its step graph, and its compiled bytes
-    (memory_analysis() on XLA:CPU; data/SOURCES.md). Candidates (least recompute first)
-    and the table of compiled bytes."""
-    sets = json.loads((Path(__file__).parent / "data" / "gqa4-adamw-compiles.json")
+def _compiles(name):
+    """A step as `fit` sees it, from data/<name>-compiles.json (data/SOURCES.md): each save
+    set's kept, stored and read bytes and recompute FLOPs from its step graph, and its
+    compiled bytes (memory_analysis() on XLA:CPU). Candidates (least recompute first) and
+    the table of compiled bytes."""
+    sets = json.loads((Path(__file__).parent / "data" / f"{name}-compiles.json")
                       .read_text())["sets"]
     key = [None if s is None else tuple(s) for s, *_ in sets]
     cands = sorted((S._Candidate(k, kept, read, flops, stored)
                     for k, (_, kept, stored, read, flops, _) in zip(key, sets)), key=S._order)
     return cands, {k: row[5] for k, row in zip(key, sets)}
+
+
+def _gqa4_adamw_compiles():
+    """zoo.py's gqa4-adamw (its 256 save sets and no remat): `_compiles`."""
+    return _compiles("gqa4-adamw")
 
 
 def test_a_stalled_walk_bisects_the_predicted_frontier(monkeypatch):
@@ -1128,17 +1133,6 @@ def test_the_walk_goes_on_beside_a_tag_outside_the_pool_that_fits(oracle):
     assert table[got.saved] <= limit
 
 
-def _gpt_oss_compiles():
-    """MaxText 0.2.5's gpt-oss step (tests/cpu/maxtext_zoo.py) as `fit` sees it, in the
-    format of `_gqa4_adamw_compiles` (data/SOURCES.md): candidates and compiled bytes."""
-    sets = json.loads((Path(__file__).parent / "data" / "maxtext-gpt-oss-compiles.json")
-                      .read_text())["sets"]
-    key = [None if s is None else tuple(s) for s, *_ in sets]
-    cands = sorted((S._Candidate(k, kept, read, flops, stored)
-                    for k, (_, kept, stored, read, flops, _) in zip(key, sets)), key=S._order)
-    return cands, {k: row[5] for k, row in zip(key, sets)}
-
-
 @pytest.mark.parametrize("figures", [True, False])
 def test_the_oracles_rescue_walks_on_from_a_first_fit_found_with_its_cap_spent(figures):
     """MaxText's gpt-oss at 67,749,213 bytes, the compile as the oracle: full remat, every
@@ -1147,7 +1141,7 @@ def test_the_oracles_rescue_walks_on_from_a_first_fit_found_with_its_cap_spent(f
     then returned `mlpwo` (33 points of recompute over the best; the table's brute force). As
     said up front, where full remat does not fit the oracle has `stretch` compiles more:
     the walk goes on from that fit, and the plan recomputes less than `mlpwo` alone."""
-    cands, table = _gpt_oss_compiles()
+    cands, table = _compiles("maxtext-gpt-oss")  # MaxText 0.2.5, tests/cpu/maxtext_zoo.py
     by = {c.saved: c for c in cands}
     limit = 67_749_213
     assert table[()] > limit and table[("mlpwo",)] <= limit  # the premise
