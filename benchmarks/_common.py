@@ -116,6 +116,16 @@ def memory_row(compiled: Any) -> dict[str, int]:
     return row
 
 
+def program_key(text: str, options: dict[str, Any] | None = None) -> str:
+    """A compiled program's key in a committed table: the SHA-256 of its lowered text (and
+    of the compile options, where given)."""
+    import hashlib  # noqa: PLC0415
+
+    if options is not None:
+        text += json.dumps(options, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def compiled_bytes(compiled: Any) -> int:
     """A compiled step's bytes as XLA counts them (`memory_row`)."""
     return memory_row(compiled)["bytes"]

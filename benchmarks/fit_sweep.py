@@ -161,6 +161,16 @@ def _same_compiler(a: dict[str, Any], b: dict[str, Any]) -> bool:
         and set(a.get("xla_flags", "").split()) == set(b.get("xla_flags", "").split())
 
 
+def written_here(path: Path) -> dict[str, Any] | None:
+    """The JSON file at `path` (a committed table: its figures and the `compiled_with` that
+    made them) where it exists and this compiler wrote it; None otherwise, and the caller
+    compiles instead."""
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    return data if _same_compiler(data["compiled_with"], compiled_with()) else None
+
+
 class Brute:
     """The cached compiles of one step, by save set (`tags` order): the cache in ``OUT``,
     and what the committed table (`TABLES`) holds beyond it where the same compiler made

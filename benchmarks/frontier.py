@@ -57,9 +57,7 @@ no-remat step, ~1e-6: a dozen FLOPs of 10^7).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
-import json
 import math
 import sys
 import time
@@ -160,20 +158,16 @@ class ProgramTable:
     another text, so it is compiled, never served a stale row."""
 
     def __init__(self, path: Path, read: bool = True) -> None:
-        import fit_sweep  # noqa: PLC0415  (compiled_with, _same_compiler)
+        import fit_sweep  # noqa: PLC0415  (compiled_with, written_here)
 
         self.path, self.here = path, fit_sweep.compiled_with()
-        self.rows: dict[str, list[float]] = {}
         self.served = self.added = self.checked = 0
-        if read and path.exists():
-            data = json.loads(path.read_text())
-            if fit_sweep._same_compiler(data["compiled_with"], self.here):
-                self.rows = data["programs"]
+        data = fit_sweep.written_here(path) if read else None
+        self.rows: dict[str, list[float]] = {} if data is None else data["programs"]
 
     @staticmethod
     def _key(lowered: Any, options: dict[str, Any]) -> str:
-        text = lowered.as_text() + json.dumps(options, sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()
+        return C.program_key(lowered.as_text(), options)
 
     def row(self, lowered: Any, options: dict[str, Any]) -> Compiled | None:
         """The table's figures of `lowered` compiled with `options`; None where it has

@@ -110,11 +110,8 @@ def _compile_all(make_step, args, tags) -> dict:
 def _committed(tags) -> dict | None:
     """`TABLE`'s compiles where this JAX, jaxlib, backend and XLA flags made them and it
     covers `tags` in this order; None otherwise."""
-    if not TABLE.exists():
-        return None
-    data = json.loads(TABLE.read_text())
-    if data["tags"] != list(tags) or not FS._same_compiler(data["compiled_with"],
-                                                           FS.compiled_with()):
+    data = FS.written_here(TABLE)
+    if data is None or data["tags"] != list(tags):
         return None
     return {None if k == FS.NO_REMAT else tuple(k.split(",")) if k else ():
             Compiled(tuple(v["memory"]), v["flops"]) for k, v in data["sets"].items()}

@@ -43,10 +43,8 @@ def _tables(name):
     """The committed compile tables of step `name` this compiler made: its brute force
     over `fit`'s pool, then the one over its spare tags too; none where neither is
     committed or another JAX, jaxlib, backend, XLA flags or library made them."""
-    here = FS.compiled_with()
-    found = [R.table(stem) for stem in (name, f"{name}+spare")
-             if (R.TABLES / f"{stem}.json").exists()]
-    return [t for t in found if FS._same_compiler(t["compiled_with"], here)]
+    found = (FS.written_here(R.TABLES / f"{stem}.json") for stem in (name, f"{name}+spare"))
+    return [t for t in found if t is not None]
 
 
 def _saved(policy, tags):

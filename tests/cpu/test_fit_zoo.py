@@ -71,11 +71,9 @@ class _EachProgramOnce:
     that compile here (once per program), for the figures each plan is held to."""
 
     def __init__(self, make_step):
-        self._make_step, self._compiled, self.rows, self.served = make_step, {}, {}, 0
-        if PROGRAMS.exists():
-            data = json.loads(PROGRAMS.read_text())
-            if FS._same_compiler(data["compiled_with"], FS.compiled_with()):
-                self.rows = data["programs"]
+        self._make_step, self._compiled, self.served = make_step, {}, 0
+        data = FS.written_here(PROGRAMS)
+        self.rows = {} if data is None else data["programs"]
 
     def __call__(self, policy):
         return _OnceStep(self._make_step(policy), self, served=True)
@@ -85,18 +83,12 @@ class _EachProgramOnce:
 
     def write(self) -> None:
         """`PROGRAMS`, from every program compiled here in this run."""
-        rows = {_sha(text): {**FS.C.memory_row(c), "flops": FS.C.compiled_flops(c),
+        rows = {FS.C.program_key(text): {**FS.C.memory_row(c), "flops": FS.C.compiled_flops(c),
                              "transcendentals": FS.C.compiled_transcendentals(c)}
                 for text, c in self._compiled.items()}
         PROGRAMS.write_text(json.dumps({"compiled_with": FS.compiled_with(),
                                         "programs": dict(sorted(rows.items()))},
                                        indent=1) + "\n")
-
-
-def _sha(text: str) -> str:
-    import hashlib
-
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class _OnceStep:
@@ -124,7 +116,7 @@ class _OnceLowered:
         text, p = self._lowered.as_text(), self._programs
         if text in p._compiled:
             return p._compiled[text]
-        row = p.rows.get(_sha(text)) if self._served else None
+        row = p.rows.get(FS.C.program_key(text)) if self._served else None
         if row is not None:
             p.served += 1
             return FS._CachedCompiled(row)
