@@ -1146,7 +1146,7 @@ def test_the_oracles_rescue_walks_on_from_a_first_fit_found_with_its_cap_spent(f
 
 @pytest.mark.parametrize("oracle", [False, True])
 def test_no_remats_miss_does_not_widen_the_uncertainty_of_the_save_sets(oracle):
-    """MaxText's mixtral at 56,062,293 bytes (full remat compiles 1.96 MB over), with memory
+    """MaxText's mixtral at 56,062,293 bytes (full remat compiles 1.87 MiB over), with memory
     figures or the oracle's: the rescue compiles every tag, then no remat (does memory
     follow the kept bytes?), whose figure is 30 MiB off the model that full remat and every
     tag calibrated. No remat keeps what no tag holds (norms, activations, softmaxes), and
