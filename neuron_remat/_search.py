@@ -937,10 +937,10 @@ class _Search:
 
     def _most_gain(self, cands: Sequence[_Candidate]) -> _Candidate:
         """The candidate of greatest expected gain against full remat (chance to fit x
-        recompute saved), the likelier, then the one that recomputes less, on a tie."""
-        full = self._by[()]
-        return max(cands, key=lambda c: (self.chance(c) * (full.recompute - c.recompute),
-                                          self.chance(c), -c.recompute))
+        recompute saved, as the walk scores its sets: `_scored`), the likelier, then the
+        one that recomputes less, on a tie; most likely where `_scored` leaves none."""
+        scored = self._scored(self._by[()], cands, 0.0, False)
+        return max(scored, key=lambda s: s[:3])[3] if scored else self._most_likely(cands)
 
     def _tight_by_figures(self) -> bool:
         """With the compile as the oracle: whether the model the out-of-memory figures
