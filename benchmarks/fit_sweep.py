@@ -244,10 +244,7 @@ class Brute:
         for i, saved in enumerate(todo):
             policy = (jax.checkpoint_policies.everything_saveable if saved is None
                       else save_only_these_names(*saved))
-            c = make_step(policy).lower(*args).compile()
-            row: dict[str, Any] = C.memory_row(c)
-            row["flops"] = C.compiled_flops(c)
-            row["transcendentals"] = C.compiled_transcendentals(c)
+            row = compiled_row(make_step(policy).lower(*args).compile())
             self.table[_key(saved)] = row
             self._write(self.path)
             say(f"  {self.spec.name}: compiled {i + 1}/{len(todo)} "
@@ -277,6 +274,13 @@ class Brute:
 # --------------------------------------------------------------------------------------
 # Steps whose compiles come from the cache.
 # --------------------------------------------------------------------------------------
+
+
+def compiled_row(compiled: Any) -> dict[str, Any]:
+    """A compiled step's figures as the tables keep them: `memory_row`'s fields, then its
+    FLOPs and transcendentals (what `_CachedCompiled` serves back)."""
+    return {**C.memory_row(compiled), "flops": C.compiled_flops(compiled),
+            "transcendentals": C.compiled_transcendentals(compiled)}
 
 
 class _CachedCompiled:

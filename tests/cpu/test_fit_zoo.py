@@ -83,8 +83,7 @@ class _EachProgramOnce:
 
     def write(self) -> None:
         """`PROGRAMS`, from every program compiled here in this run."""
-        rows = {FS.C.program_key(text): {**FS.C.memory_row(c), "flops": FS.C.compiled_flops(c),
-                             "transcendentals": FS.C.compiled_transcendentals(c)}
+        rows = {FS.C.program_key(text): FS.compiled_row(c)
                 for text, c in self._compiled.items()}
         PROGRAMS.write_text(json.dumps({"compiled_with": FS.compiled_with(),
                                         "programs": dict(sorted(rows.items()))},
