@@ -82,7 +82,7 @@ puts full remat within `TIGHT` x the uncertainty of the limit, one compile more 
 to it, to each tag alone first while nothing better than full remat fits, as the rescue has
 with memory figures); a set that compiled is within the limit, and one whose error gave no
 figure over it, and the belief about its tags' effects read from the figures is conditioned
-on both (`_search._condition_on_outcomes`); and two out-of-memory figures that differ by
+on both (`_belief._condition_on_outcomes`); and two out-of-memory figures that differ by
 less than `FOLLOW` of their sets' kept bytes, and the frontier's top (compiled then if it
 was not: it keeps the most) with them, say memory does not follow the kept bytes, as two
 memory figures do (then every tag saved, as likely to fit as any set, is compiled if it was

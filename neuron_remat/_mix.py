@@ -18,7 +18,8 @@ from typing import Any
 
 from ._compile import CompileFailedError, Probe, _policy, compile_named
 from ._format import first_line, fmt_bytes
-from ._search import NO_REMAT, _Model
+from ._belief import _Model
+from ._search import NO_REMAT
 from ._step import StepGraph, _pool, step_graph
 from ._plan import LayerMix, Plan
 

@@ -394,7 +394,7 @@ def _shards(shardings: Iterable[tuple[Any, tuple[int, ...]]]) -> int:
     fully sharded data parallelism, and for a tensor-parallel layer's heads and hidden
     units; a value a tensor-parallel layer keeps whole on each core (its output, after
     the reduction over the axis) counts too little, which the compiles calibrate
-    (`_search._Model`)."""
+    (`_belief._Model`)."""
     most = 1
     used: dict[tuple[tuple[str, int], ...], set[str]] = {}  # a mesh's axes -> those used
     for sharding, shape in shardings:

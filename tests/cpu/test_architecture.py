@@ -9,7 +9,7 @@ import neuron_remat
 
 ORDER = ["device", "models", "graph", "_jax_compat", "_analytic", "moe", "memory_model", "_jaxpr", "_trace",
          "_regex",
-         "policies", "_maxtext_keys", "stack", "_audit", "_plan", "planner", "_compile", "_step", "_search", "_mix", "_fit",
+         "policies", "_maxtext_keys", "stack", "_audit", "_plan", "planner", "_compile", "_step", "_belief", "_search", "_mix", "_fit",
          "multihost", "plugin", "cli"]
 PACKAGE = pathlib.Path(neuron_remat.__file__).parent
 

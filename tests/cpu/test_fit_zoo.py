@@ -38,6 +38,7 @@ import fit_sweep as FS  # noqa: E402  (compiled_with; the served compile's figur
 
 F = importlib.import_module("neuron_remat._fit")
 S = importlib.import_module("neuron_remat._search")  # the search and its constants
+B = importlib.import_module("neuron_remat._belief")  # its belief about the compiled bytes
 C = importlib.import_module("neuron_remat._compile")
 G = importlib.import_module("neuron_remat._step")
 MiB = 1 << 20
@@ -557,14 +558,14 @@ def test_a_miss_on_one_tag_moves_the_prediction_of_a_tag_the_trace_cannot_tell_a
     s = S._Search(list(cands), lambda c, p: C._Compiled(table[c.saved], 0, 0, 0, 0, 1e9,
                                                         0.0), 200 * MiB, 6)
     s._scale = float(table[()])
-    s.model = S._Model(float(fixed), 1.0, 1.0)  # fixed by hand, as the misses below
+    s.model = B._Model(float(fixed), 1.0, 1.0)  # fixed by hand, as the misses below
     t2, e2, r = (S.TAG_SD * table[()]) ** 2, (S.SET_SD * table[()]) ** 2, float(MiB)
     assert 0 < S.ALIKE < 1
     assert s._tag_effect(("a", "b"))[1] == pytest.approx(t2 * (2 + 2 * S.ALIKE) + e2,
                                                          rel=1e-6)
     s._measure(by[()])
     s._measure(by[("a",)])
-    s.model = S._Model(float(fixed), 1.0, 1.0)  # the misses: 0 and 1 MiB
+    s.model = B._Model(float(fixed), 1.0, 1.0)  # the misses: 0 and 1 MiB
     mean_b, var_b = s._tag_effect(("b",))
     assert mean_b == pytest.approx(S.ALIKE * t2 * r / (t2 + e2), rel=1e-6)
     assert var_b == pytest.approx(t2 - (S.ALIKE * t2) ** 2 / (t2 + e2) + e2, rel=1e-6)
@@ -811,7 +812,7 @@ def _integrated(mean, cov, sets, room, over, noise, n=801):
 
 @pytest.mark.parametrize("case", ["one fit", "fit and over", "alike, three outcomes"])
 def test_outcomes_condition_the_belief_as_integration_does(case):
-    """`_search._condition_on_outcomes` (expectation propagation) against the exact belief,
+    """`_belief._condition_on_outcomes` (expectation propagation) against the exact belief,
     summed over a grid (`_integrated`). With one outcome it matches the moments exactly;
     with several it is an approximation, held to a fiftieth of the prior's sd on the
     means and a twentieth of its variance on the covariances (measured: 0.005 and 0.025).
@@ -826,7 +827,7 @@ def test_outcomes_condition_the_belief_as_integration_does(case):
                                   [True, False, False])}[case]
     sets, room, over = np.array(sets), np.array(room, float), np.array(over)
     noise = 0.04
-    got_m, got_c = S._condition_on_outcomes(mean, cov, sets, room, over, noise)
+    got_m, got_c = B._condition_on_outcomes(mean, cov, sets, room, over, noise)
     want_m, want_c = _integrated(mean, cov, sets, room, over, noise)
     if case == "one fit":
         assert got_m == pytest.approx(want_m, abs=1e-4)
@@ -836,7 +837,7 @@ def test_outcomes_condition_the_belief_as_integration_does(case):
         assert np.abs(got_m - want_m).max() < 0.02
         assert np.abs(got_c - want_c).max() < 0.05
     # where no outcome is surprising the belief barely moves
-    far_m, far_c = S._condition_on_outcomes(mean, cov, sets, room + np.where(over, -50, 50),
+    far_m, far_c = B._condition_on_outcomes(mean, cov, sets, room + np.where(over, -50, 50),
                                             over, noise)
     assert far_m == pytest.approx(mean, abs=1e-6) and far_c == pytest.approx(cov, abs=1e-6)
 
