@@ -23,8 +23,9 @@ class _Model:
     """``bytes(S) = intercept + scale x kept(S) + slope x read(S)``: least squares over the
     compiled sets, `scale` and `slope` pulled towards 1 (`PRIOR_WEIGHT`) so that two or
     three compiles make a model. kept(S) and read(S) are bytes as the backend stores them
-    (`_search._Candidate.stored`: XLA:CPU keeps bfloat16 as float32), so 1 is the right prior for
-    `scale`, which learns what is left; `error` is the largest miss on the compiles."""
+    (`_search._Candidate.stored`: XLA:CPU keeps bfloat16 as float32), so 1 is the right
+    prior for `scale`, which learns what is left; `error` is the largest miss on the
+    compiles."""
 
     intercept: float
     scale: float

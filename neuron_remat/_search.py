@@ -1,14 +1,15 @@
 """`fit`'s compile-checked search: what to compile next, and when to stop.
 
-`_Search` is pure: its `measure` compiles one candidate save set (`_Candidate`: the bytes
-it keeps and reads, the FLOPs it recomputes, from `_step.StepGraph`). What it believes
-about the compiled bytes is `_belief`'s: `_Model` calibrates ``bytes(S) = fixed + scale x
-kept(S) + slope x read(S)`` on the compiles; the misses are one unknown effect per saved
-tag (`_Search._tag_effect`, on `_belief`'s updates, with this module's prior). The search bisects the predicted
-frontier from its middle (with a backend that reports no memory figures, the compile as
-the oracle) and walks the compiles left by expected gain; it rescues a full remat that
-does not fit or fits tightly (`TIGHT`) by exploring each tag first. `fit`'s module
-docstring tells the whole procedure; each constant below says how it was chosen.
+`_Search` is pure: its `measure` compiles one candidate save set (`_Candidate`: the bytes it
+keeps and reads, the FLOPs it recomputes, from `_step.StepGraph`). What it believes about
+the compiled bytes is `_belief`'s: `_Model` calibrates ``bytes(S) = fixed + scale x kept(S)
++ slope x read(S)`` on the compiles; the misses are one unknown effect per saved tag
+(`_Search._tag_effect`, on `_belief`'s updates, with this module's prior). The search
+bisects the predicted frontier from its middle (with a backend that reports no memory
+figures, the compile as the oracle) and walks the compiles left by expected gain; it rescues
+a full remat that does not fit or fits tightly (`TIGHT`) by exploring each tag first.
+`fit`'s module docstring tells the whole procedure; each constant below says how it was
+chosen.
 """
 
 from __future__ import annotations
