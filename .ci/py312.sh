@@ -75,7 +75,8 @@ trap 'kill "$MT" 2>/dev/null || true' EXIT
 TESTS=(tests/cpu/test_policies.py tests/cpu/test_trace.py tests/cpu/test_plugin.py
        tests/cpu/test_jax_versions.py tests/cpu/test_regex_safety.py)
 rc=0
-"$DIR/bin/python" -m pytest -q "${TESTS[@]}" || rc=$?
+# a sample of tag sets covering every pair, as .ci/run's other version runs (tag_sets.py)
+NR_TEST_TAG_SETS=covering "$DIR/bin/python" -m pytest -q "${TESTS[@]}" || rc=$?
 if [ "$rc" -eq 5 ]; then
     echo "CI py312: collected no tests: ${TESTS[*]}" >&2
     exit 1

@@ -15,6 +15,7 @@ import neuron_remat as nr
 from neuron_remat import models, moe
 from neuron_remat import memory_model as mm
 import reference_moe as rm
+from tag_sets import covering_sample
 from xla_figures import jax_kept_bytes
 from neuron_remat.cli import main
 
@@ -66,25 +67,6 @@ def tag_sets(names):
     the function's argument and kept either way."""
     tags = sorted({n for role, ns in names.items() if role != "input" for n in ns})
     return [s for r in range(len(tags) + 1) for s in itertools.combinations(tags, r)]
-
-
-def covering_sample(tags, extra=48, seed=0):
-    """Subsets of `tags` that cover every tag and every pair of tags in each of the four
-    ways (both saved, one without the other, neither): none, all, each tag alone, all but
-    each tag, and `extra` more drawn at random (seeded). The coverage is asserted, not
-    assumed."""
-    import random
-
-    tags = tuple(tags)
-    out = {(), tags}
-    out |= {(t,) for t in tags} | {tuple(u for u in tags if u != t) for t in tags}
-    rng = random.Random(seed)
-    while len(out) < 2 * len(tags) + 2 + extra and len(out) < 2 ** len(tags):
-        out.add(tuple(t for t in tags if rng.random() < 0.5))
-    for a, b in itertools.combinations(tags, 2):
-        ways = {(a in s, b in s) for s in out}
-        assert ways == {(True, True), (True, False), (False, True), (False, False)}, (a, b)
-    return sorted(out, key=lambda s: (len(s), s))
 
 
 def roles_saved(names, saved):
