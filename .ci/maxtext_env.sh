@@ -11,6 +11,7 @@
 # maxtext.configs.pyconfig and maxtext.trainers.pre_train.train asked for (jinja2,
 # pathwaysutils, qwix, aqtp, omegaconf, tokamax, huggingface_hub, transformers, grain,
 # drjax, pillow, tiktoken, sentencepiece, sympy), with their dependencies.
+# pytest-xdist 3.8.0 and execnet 2.1.2 joined later (CI runs the tests on two processes).
 # .ci/maxtext-requirements.txt is `pip freeze` of the result: installed here with
 # --no-deps, so the environment is exactly that one. Every step is checked (set -e).
 set -euo pipefail
@@ -20,8 +21,10 @@ PY=${2:-python3.12}
 "$PY" -c "import sys; assert sys.version_info[:2] == (3, 12), sys.version"
 "$PY" -m venv "$DIR"
 "$DIR/bin/python" -m pip install --quiet --upgrade pip
-"$DIR/bin/python" -m pip install --quiet --no-deps -r .ci/maxtext-requirements.txt
-"$DIR/bin/python" -m pip install --quiet --no-deps maxtext==0.2.5
+# --no-compile: pip writes no bytecode for the ~130 packages (transformers alone holds
+# thousands of modules); Python compiles what the tests import, when they import it.
+"$DIR/bin/python" -m pip install --quiet --no-compile --no-deps -r .ci/maxtext-requirements.txt
+"$DIR/bin/python" -m pip install --quiet --no-compile --no-deps maxtext==0.2.5
 "$DIR/bin/python" -m pip install --quiet --no-deps -e .
 "$DIR/bin/python" -m pip check > /dev/null || true  # MaxText's extras pin newer JAX: not fatal
 "$DIR/bin/python" - <<'EOF'

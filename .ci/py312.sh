@@ -36,8 +36,11 @@ maxtext_part() {  # MaxText's environment, then its tests
     .ci/maxtext_env.sh "$MT_DIR" "$PY"
     MT_TESTS=(tests/cpu/test_maxtext_real.py tests/cpu/test_trace_scans.py)
     rc=0
+    # On two processes, test by test (`--dist load`: its longest tests, 20 s to 96 s each
+    # alone, share no costly fixture); in one, MaxText's part ran its last 5 minutes alone on
+    # one core of two at 85c61f4.
     "$MT_DIR/bin/python" -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning \
-        -rs "${MT_TESTS[@]}" | tee "$MT_DIR/pytest.log" || rc=$?  # pipefail: pytest's status
+        -n 2 --dist load -rs "${MT_TESTS[@]}" | tee "$MT_DIR/pytest.log" || rc=$?
     if [ "$rc" -eq 5 ]; then
         echo "CI py312: collected no tests: ${MT_TESTS[*]}" >&2
         return 1
