@@ -8,7 +8,6 @@ a small user layer with a jitted block and a custom-JVP activation, each called 
 float32 (XLA's CPU backend computes bfloat16 in float32).
 """
 
-import itertools
 import json
 import re
 
@@ -25,7 +24,7 @@ import neuron_remat as nr
 from neuron_remat import _trace, graph as gr, memory_model as mm, models, planner
 from neuron_remat import policies as pol
 import reference as ref
-from tag_sets import every_or_covering
+from tag_sets import every_or_covering, every_subset
 from xla_figures import jax_kept_bytes, scan_step_flops
 
 CFG = models.TransformerConfig(hidden=64, heads=4, kv_heads=2, ffn=256, layers=2, vocab=64,
@@ -99,10 +98,6 @@ def _replayed(fn, args):
     return replay
 
 
-def _subsets(tags):
-    return [s for r in range(len(tags) + 1) for s in itertools.combinations(tags, r)]
-
-
 # --- bytes: every subset, exactly ------------------------------------------------------
 
 
@@ -143,7 +138,7 @@ def test_a_value_a_jit_and_the_code_around_it_read_is_kept_as_jax_keeps_it():
     w, x = jnp.ones((8, 4)) / 8, jnp.arange(128 * 8, dtype=jnp.float32).reshape(128, 8) / 1e3
     fp = nr.traced_footprint(_router, w, x, activation_argnums=1)
     assert set(fp) == {"idx"}
-    for subset in _subsets(list(fp)):
+    for subset in every_subset(list(fp)):
         policy = checkpoint_policies.save_only_these_names(*subset)
         want = _activation_bytes(jax.checkpoint(_router, policy=policy), (w, x), 1)
         assert fp.evaluate(subset)[0] == want, subset
@@ -168,7 +163,7 @@ def test_a_value_a_jit_and_the_code_around_it_read_costs_what_jax_and_xla_count(
         return scan_step_flops(_read_in_and_around_a_jit, policy, x, w)
 
     base = step_flops(None)
-    for subset in _subsets(["t", "u"]):
+    for subset in every_subset(["t", "u"]):
         policy = checkpoint_policies.save_only_these_names(*subset)
         want = _activation_bytes(jax.checkpoint(_read_in_and_around_a_jit, policy=policy),
                                  (x, w), 0)
@@ -191,7 +186,7 @@ def test_fast_evaluation_equals_the_traversal_on_every_tag_set():
         graphs.append(nr.traced_footprint(fn, *args).graph)
     for g in graphs:
         roles = sorted(g.role_values())
-        for subset in _subsets(roles):
+        for subset in every_subset(roles):
             plain = g.evaluate_roles(subset)
             assert g.cost_of_roles(subset) == (plain.kept_bytes, plain.recompute_flops), subset
 
@@ -271,7 +266,7 @@ def fused_compiled(fused_fp):
     names = ref.tag_names(CFG)
     cands = tuple(names[r] for r in CANDIDATES)
     base = _step_flops(True, "none")
-    return {frozenset(s): _step_flops(True, s) - base for s in _subsets(cands)}
+    return {frozenset(s): _step_flops(True, s) - base for s in every_subset(cands)}
 
 
 @pytest.mark.slow  # about 35 s (every subset compiled): run by CI's slow step
