@@ -3,7 +3,6 @@ held to what JAX keeps and XLA computes for the plain-JAX reference layers, and 
 for the built-in MoE models."""
 
 import dataclasses
-import itertools
 import json
 
 import jax
@@ -15,7 +14,7 @@ import neuron_remat as nr
 from neuron_remat import models, moe
 from neuron_remat import memory_model as mm
 import reference_moe as rm
-from tag_sets import covering_sample
+from tag_sets import covering_sample, every_subset
 from xla_figures import jax_kept_bytes
 from neuron_remat.cli import main
 
@@ -65,8 +64,7 @@ def kept_bytes(fn, x, p):
 def tag_sets(names):
     """Every subset of the layer's tags (each by its every name) but the input, which is
     the function's argument and kept either way."""
-    tags = sorted({n for role, ns in names.items() if role != "input" for n in ns})
-    return [s for r in range(len(tags) + 1) for s in itertools.combinations(tags, r)]
+    return every_subset(sorted({n for role, ns in names.items() if role != "input" for n in ns}))
 
 
 def roles_saved(names, saved):
