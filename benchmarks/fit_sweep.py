@@ -356,12 +356,25 @@ def sweep_step(brute: Brute, mode: str, sizes: Sequence[int], graph: Any,
     pool, and may compile the tags outside it: `brute` must cover both)."""
     counter = [0]
     make = cached_make_step(brute, counter)
-    real_step_graph = F.step_graph
+    real_step_graph, real_candidates = F.step_graph, F._candidates  # noqa: SLF001
+    memo: dict[Any, list[Any]] = {}
+
+    def candidates(g: Any, tags: Sequence[str], no_remat: bool = True) -> list[Any]:
+        # The same graph at every size: its save sets' figures are worked out once (they
+        # were most of a cached sweep's time), not once per size.
+        if g is not graph:
+            return real_candidates(g, tags, no_remat)
+        key = (tuple(tags), no_remat)
+        if key not in memo:
+            memo[key] = real_candidates(g, tags, no_remat)
+        return list(memo[key])
+
     F.step_graph = lambda make_step, *args: graph  # traced once per step, not per size
+    F._candidates = candidates  # noqa: SLF001
     try:
         return _sweep(brute, mode, sizes, graph, zoo, counter, make, max_compiles, own_pool)
     finally:
-        F.step_graph = real_step_graph
+        F.step_graph, F._candidates = real_step_graph, real_candidates  # noqa: SLF001
 
 
 def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
