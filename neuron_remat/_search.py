@@ -841,6 +841,17 @@ class _Search:
         scored = self._scored(self._by[()], cands, 0.0, False)
         return max(scored, key=lambda s: s[:3])[3] if scored else self._most_likely(cands)
 
+    def _fewest_tags_most_saved(self, cands: Sequence[_Candidate]) -> _Candidate:
+        """The set of fewest tags, the one that recomputes least among those: the rescue's
+        order once full remat and every tag alone ran out of memory and no error gave a
+        figure. The uncalibrated model ranked those singles by what they keep and read
+        beyond full remat, and all came out over: it has nothing left to rank by. XLA's
+        workspace drops with the recompute a set cuts, not with what it keeps (on MaxText's
+        gpt-oss at 62.33 MiB, where each tag alone compiles 1.3 to 5.2 MiB over, the two of
+        its three expert projections that cut the most recompute fit together; the model's
+        next four, pairs of attention projections, were each over by 5 MiB or more)."""
+        return min(cands, key=lambda c: (len(c.saved or ()), c.recompute, c.stored))
+
     def _tight_by_figures(self) -> bool:
         """With the compile as the oracle: whether the model the out-of-memory figures
         calibrated predicts full remat within `TIGHT` x the uncertainty of the limit (with
@@ -1005,10 +1016,13 @@ class _Search:
                     and c.saved is not None]  # no remat keeps the most: never smaller
             if not left:
                 break
-            todo = self._untried_singles() or left
+            singles = self._untried_singles()
+            todo = singles or left
             # with memory figures, by expected gain: an over compile calibrates the model
-            # too, and the budget is the memory mode's; with the oracle, most likely first
+            # too, and the budget is the memory mode's; with the oracle, most likely first,
+            # until every tag alone came out over with no figure (`_fewest_tags_most_saved`)
             c = (self._most_gain(todo) if self.compiled[()].bytes is not None
+                 else self._fewest_tags_most_saved(todo) if not singles and not self.points()
                  else self._most_likely(todo))
             got = self._measure(c)
             if got.over(self.limit):

@@ -1201,3 +1201,24 @@ def test_with_memory_figures_the_rescues_tags_alone_go_by_expected_gain(limit):
     saves = {c[0]: by[()].recompute - by[c].recompute for c in by if c and len(c) == 1}
     third = sorted(saves.values())[-3]
     assert all(saves[c[0]] >= third for c in calls if c and len(c) == 1), calls
+
+
+@pytest.mark.parametrize("limit", [65_360_732, 65_701_943, 66_043_155, 66_384_367])
+def test_oracle_without_figures_tries_pairs_most_saved_once_every_tag_alone_is_over(limit):
+    """MaxText's gpt-oss at the four sizes where the oracle without figures refused: full
+    remat, every tag saved and each of the 7 tags alone run out of memory, and no error
+    gives a figure. The uncalibrated model then ranked pairs of attention projections
+    first (they keep least), and all four came out over: a refusal, where the pair of
+    expert projections `mlpwi_0, mlpwo` compiles to 62.33 MiB (the table's brute force).
+    Now the sets of fewest tags go next, least recompute first among them; the plan fits,
+    within fit's own budget where full remat does not fit (the caps said up front), and
+    recomputes at most what that pair does."""
+    cands, table = _compiles("maxtext-gpt-oss")  # MaxText 0.2.5, tests/cpu/maxtext_zoo.py
+    by = {c.saved: c for c in cands}
+    singles = [c for c in by if c and len(c) == 1]
+    assert table[()] > limit and all(table[c] > limit for c in singles)  # the premise
+    assert table[("mlpwi_0", "mlpwo")] <= limit
+    got, s, calls = _run(cands, table, limit, oracle=True, figures=False, stretch=7)
+    assert got is not None and table[got.saved] <= limit, (calls, s.stop)
+    assert got.recompute <= by[("mlpwi_0", "mlpwo")].recompute
+    assert len(calls) <= S._oracle_cap(len(S._frontier(cands))) + 7, calls
