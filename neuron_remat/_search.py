@@ -960,7 +960,9 @@ class _Search:
         most likely first, is then least kept and read beyond full remat first (chosen on
         the zoo's train steps with the oracle and no figures: gqa4-adamw within 0.5
         points at 93% -> 94% of sizes; the others unchanged; it was the most recompute
-        saved first, every set predicted far within the limit).
+        saved first, every set predicted far within the limit). Once every tag alone is
+        over too, the sets of fewest tags, least recompute first
+        (`_fewest_tags_most_saved`).
 
         By expected gain with memory figures was chosen on the train steps (before, most
         likely first in both modes): gqa4-adamw within 0.5 points at 99% -> 100% of sizes,
