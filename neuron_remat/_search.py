@@ -847,9 +847,10 @@ class _Search:
         figure. The uncalibrated model ranked those singles by what they keep and read
         beyond full remat, and all came out over: it has nothing left to rank by. XLA's
         workspace drops with the recompute a set cuts, not with what it keeps (on MaxText's
-        gpt-oss at 62.33 MiB, where each tag alone compiles 1.3 to 5.2 MiB over, the two of
-        its three expert projections that cut the most recompute fit together; the model's
-        next four, pairs of attention projections, were each over by 5 MiB or more)."""
+        gpt-oss at 62.33 MiB, where each tag alone compiles 1.3 to 5.2 MiB over, the pairs
+        of its three expert projections cut the most recompute of any pair, and one of them
+        fits; the model's next four, pairs of attention projections, were each over by 5
+        MiB or more)."""
         return min(cands, key=lambda c: (len(c.saved or ()), c.recompute, c.stored))
 
     def _tight_by_figures(self) -> bool:
