@@ -369,17 +369,34 @@ def sweep_step(brute: Brute, mode: str, sizes: Sequence[int], graph: Any,
             memo[key] = real_candidates(g, tags, no_remat)
         return list(memo[key])
 
+    # Each compile of a save set the search made with a model: the chance it gave the set
+    # to fit, read before the compile as the search reads it (reading it changes nothing:
+    # the same sweep, key for key), and whether it did (`calibration`).
+    search_cls = F._Search  # noqa: SLF001
+    real_measure, chances = search_cls._measure, []  # noqa: SLF001
+
+    def measure(search: Any, c: Any) -> Any:
+        p = search.chance(c) if search.model is not None and c.saved else None
+        got = real_measure(search, c)
+        if p is not None:
+            chances.append([p, not got.over(search.limit)])
+        return got
+
     F.step_graph = lambda make_step, *args: graph  # traced once per step, not per size
     F._candidates = candidates  # noqa: SLF001
+    search_cls._measure = measure  # noqa: SLF001
     try:
-        return _sweep(brute, mode, sizes, graph, zoo, counter, make, max_compiles, own_pool)
+        return _sweep(brute, mode, sizes, graph, zoo, counter, make, max_compiles, own_pool,
+                      chances)
     finally:
         F.step_graph, F._candidates = real_step_graph, real_candidates  # noqa: SLF001
+        search_cls._measure = real_measure  # noqa: SLF001
 
 
 def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
            counter: list[int], make: Any, max_compiles: int | None,
-           own_pool: bool = False) -> list[dict[str, Any]]:
+           own_pool: bool = False, chances: list[list[Any]] | None = None
+           ) -> list[dict[str, Any]]:
     import neuron_remat as nr  # noqa: PLC0415
 
     share = flops_share(graph, brute.spec)
@@ -387,8 +404,10 @@ def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
     budget = {} if max_compiles is None else {"max_compiles": max_compiles}
     args = brute.spec.abstract_args()  # shapes only: one build serves every size
     rows = []
+    chances = [] if chances is None else chances
     for hbm in sizes:
         counter[0] = 0
+        del chances[:]
         device = nr.parse_device(f"trn2.48xlarge:hbm={hbm}B:cores=1", source="fit_sweep")
         ms = make if mode == "memory_analysis" else zoo.oracle_make_step(
             make, hbm, figures=mode != BARE)
@@ -419,8 +438,39 @@ def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
                        stop=rec.stop or None,
                        overhead=share * (truth["flops"] - flops0),
                        gap=None if best is None else share * (truth["flops"] - best[0]))
+        row["chances"] = [list(c) for c in chances]
         rows.append(row)
     return rows
+
+
+def calibration_text(bins: Sequence[dict[str, Any]]) -> str:
+    """`calibration`'s bins on one line: per bin, its compiles, mean chance and share that
+    fit."""
+    cells = [f"[{b['low']:g}, {b['high']:g}{']' if b['high'] == 1 else ')'}: "
+             f"{b['compiles']}, {b['chance']:.2f}, {b['fit']:.2f}" for b in bins]
+    return "; ".join(cells) if cells else "none"
+
+
+CALIBRATION_BINS = (0.0, 0.05, 0.2, 0.4, 0.6, 0.8, 0.95, 1.0)
+"""The bins of `calibration`: chances the search gave, from the first edge up to (not
+including) the next; the last bin includes 1."""
+
+
+def calibration(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """How often the save sets the search compiled fit, against the chance it gave them
+    (each row's ``chances``: [chance, fit] per compile with a model), per bin of
+    `CALIBRATION_BINS`: the compiles, their mean chance and the share that fit. A search
+    whose chances are right has the two equal in every bin."""
+    pairs = [c for r in rows for c in r.get("chances", ())]
+    out = []
+    for i, (lo, hi) in enumerate(zip(CALIBRATION_BINS, CALIBRATION_BINS[1:])):
+        last = i == len(CALIBRATION_BINS) - 2
+        got = [(p, f) for p, f in pairs if lo <= p < hi or (last and p == hi)]
+        if got:
+            out.append({"low": lo, "high": hi, "compiles": len(got),
+                        "chance": sum(p for p, _ in got) / len(got),
+                        "fit": sum(bool(f) for _, f in got) / len(got)})
+    return out
 
 
 def flops_share(graph: Any, spec: Any) -> float:
@@ -560,6 +610,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result["steps"][name] = step
     if not args.brute_only:
         result["done_when"] = _done_when(result)
+        result["calibration"] = {mode: calibration(
+            [r for st in result["steps"].values() for r in st["modes"][mode]["rows"]])
+            for mode in _modes_of(result)}
         lines = _report(result)
         result["fit_always_fits"] = all(
             m["summary"]["all_fit"] for st in result["steps"].values()
@@ -717,6 +770,11 @@ def _report(result: dict[str, Any]) -> list[str]:
                                     "noticed")))
         lines += _why_misses(result, mode)
         lines.append("")
+    lines.append("the search's chances against the compiles (every step, by mode): "
+                 "compiles, mean chance given, share that fit")
+    for mode, bins in result["calibration"].items():
+        lines.append(f"  {mode}: {calibration_text(bins)}")
+    lines.append("")
     lines.append("done when (gap in points of the no-remat step's FLOPs):")
     for key, d in result["done_when"].items():
         bad = [k for k, v in d["checks"].items() if not v]

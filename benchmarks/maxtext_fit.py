@@ -172,6 +172,8 @@ def sweep_real_step(name: str, spec: Any, graph: Any, host: str, version: str,
         lines += _report(mode, summary, rows)
         if why := FS.why_stopped(rows):
             lines.append(f"  {why}")
+        lines.append("  the search's chances (compiles, mean chance given, share that fit): "
+                     + FS.calibration_text(FS.calibration(rows)))
     return step, lines
 
 

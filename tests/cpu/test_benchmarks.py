@@ -85,6 +85,15 @@ def test_fit_sweep_small_meets_done_when(out):
             # every plan says why its search stopped (CompiledFit.stop, read by the sweep)
             plans = [r for r in m["rows"] if r["outcome"] == "plan"]
             assert plans and all(r["stop"] for r in plans)
+            # each compile of a save set the search made with a model: its chance, and
+            # whether it fit; no more of them than the compiles
+            for r in m["rows"]:
+                assert len(r["chances"]) <= r["compiles"], r
+                assert all(0.0 <= p <= 1.0 and isinstance(f, bool) for p, f in r["chances"])
+    for mode, bins in result["calibration"].items():  # every chance recorded, binned once
+        assert sum(b["compiles"] for b in bins) == sum(
+            len(r["chances"]) for st in result["steps"].values()
+            for r in st["modes"][mode]["rows"]), mode
 
 
 @pytest.mark.slow
@@ -302,6 +311,21 @@ def test_fit_sweep_counts_why_fit_stopped_where_it_missed_by_over_2_points():
         "4 sizes over 2 points; fit stopped: the budget of 6 compiles is spent (1); "
         "no set ... is plausibly within the limit (2); ? (1)")
     assert fit_sweep.why_stopped(rows[:2]) == ""
+
+
+def test_fit_sweep_calibration_bins_the_search_chances_by_hand():
+    """The sweep's calibration table: per bin of the chance the search gave a set, the
+    compiles, their mean chance and the share that fit (by hand: 0.1 and 0.15, one of two
+    fit; 0.3, none; 0.95 and 1.0, both, the last bin closed at 1)."""
+    with benchmarks_on_path():
+        import fit_sweep
+    rows = [{"chances": [[0.1, True], [0.3, False]]}, {"chances": []},
+            {"chances": [[0.15, False], [1.0, True], [0.95, True]]}, {}]
+    got = [(b["low"], b["high"], b["compiles"], round(b["chance"], 6), b["fit"])
+           for b in fit_sweep.calibration(rows)]
+    assert got == [(0.05, 0.2, 2, 0.125, 0.5), (0.2, 0.4, 1, 0.3, 0.0),
+                   (0.95, 1.0, 2, 0.975, 1.0)]
+    assert fit_sweep.calibration([]) == []
 
 
 def test_flops_share_counts_each_scan_body_once_as_xla_does():
