@@ -38,8 +38,9 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    the best compiled fit gets a chance to fit (normal errors: the search's uncertainty and
    the set's own), and the next compile goes to the largest chance x recompute saved, among
    sets whose chance is at least `PLAUSIBLE` (where none is and compiles are left, at least
-   `LONG_SHOT`). The uncertainty starts at `band` of full remat's bytes, widens after a
-   miss (a compile off its prediction by more than it) and narrows after a hit. When two
+   `LONG_SHOT`, or any chance while no compile has given a figure). The uncertainty
+   starts at `band` of full remat's bytes, widens after a miss (a compile off its
+   prediction by more than it) and narrows after a hit. When two
    compiles in a row come out over, the walk has stalled: the next compile bisects the
    predicted frontier again, between the best fit and the nearest set known over.
    Picked by expected gain, the last compile of the budget goes to a likely fit (chance at
