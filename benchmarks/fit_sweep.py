@@ -473,6 +473,42 @@ def calibration(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def trace_ranking(cands: Sequence[Any], get: Callable[[Any], dict[str, float]],
+                  sizes: Sequence[int], share: float) -> dict[str, Any]:
+    """What the trace's ranking alone costs, apart from the search's model of the bytes: at
+    each of `sizes`, of the save sets (`cands`, `_search._Candidate`s; no remat's `saved`
+    None) whose compiled bytes (`get(saved)`, a brute-force row) are within it, the one the
+    trace ranks first (`_search._order`: least recompute FLOPs as the trace counts them),
+    against the best by the compiled FLOPs (`_best`'s), in points of the no-remat step's
+    FLOPs (`share`: `flops_share`). A search that knew every set's bytes and compiled none
+    would miss by this; `fit` compiles its plan and the sets beside it, and takes the one
+    whose compile counts fewest FLOPs (`_fit._fewest_ops`), so it can do better.
+
+    Returns the sizes where some set fits (``sizes``), the share within 0.5 points, the
+    sizes over 2 points and the largest gap (None where nothing fits anywhere)."""
+    gaps = []
+    for hbm in sizes:
+        fits = [c for c in cands if get(c.saved)["bytes"] <= hbm]
+        if not fits:
+            continue
+        first = fits[0]  # `cands` are in the search's order
+        best = min(get(c.saved)["flops"] for c in fits)
+        gaps.append(share * (get(first.saved)["flops"] - best))
+    return {"sizes": len(gaps),
+            "share_gap_le_0_5": (sum(g <= 0.005 + 1e-12 for g in gaps) / len(gaps)
+                                 if gaps else None),
+            "over_2": sum(g > 0.02 + 1e-12 for g in gaps),
+            "gap_max": max(gaps) if gaps else None}
+
+
+def trace_ranking_text(t: dict[str, Any]) -> str:
+    """`trace_ranking` on one line."""
+    if t["gap_max"] is None:
+        return "no size has a set that fits"
+    return (f"{100 * t['share_gap_le_0_5']:.0f}% of {t['sizes']} sizes within 0.5 points, "
+            f"{t['over_2']} over 2, {100 * t['gap_max']:.2f} at most")
+
+
 def flops_share(graph: Any, spec: Any) -> float:
     """One FLOP of a compiled step's cost analysis as a share of the no-remat step's FLOPs
     (as the trace counts them): XLA:CPU counts a scan body once, so a FLOP difference
@@ -601,6 +637,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "no_remat_bytes": brute.get(None)["bytes"], "modes": {}}
         sizes = _sizes(brute, n_sizes)
         n_front = len(SR._frontier(SR._candidates(graph, own)))  # fit's pool
+        step["trace_ranking"] = trace_ranking(SR._candidates(graph, brute.tags), brute.get,
+                                              sizes, flops_share(graph, spec))
         for mode in modes(args.bare_oracle):
             rows = sweep_step(brute, mode, sizes, graph, F, zoo, args.max_compiles,
                               args.spare)
@@ -770,6 +808,11 @@ def _report(result: dict[str, Any]) -> list[str]:
                                     "noticed")))
         lines += _why_misses(result, mode)
         lines.append("")
+    lines.append("ranked by the trace, every set's compiled bytes known (what the "
+                 "ranking alone costs, apart from the model of the bytes):")
+    for name, st in result["steps"].items():
+        lines.append(f"  {name}: {trace_ranking_text(st['trace_ranking'])}")
+    lines.append("")
     lines.append("the search's chances against the compiles (every step, by mode): "
                  "compiles, mean chance given, share that fit")
     for mode, bins in result["calibration"].items():

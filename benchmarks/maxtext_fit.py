@@ -160,9 +160,13 @@ def sweep_real_step(name: str, spec: Any, graph: Any, host: str, version: str,
                             "modes": {}}
     sizes = FS._sizes(brute, n_sizes)  # noqa: SLF001
     n_front = len(SR._frontier(SR._candidates(graph, own)))  # noqa: SLF001 - fit's pool
+    step["trace_ranking"] = FS.trace_ranking(SR._candidates(graph, brute.tags),  # noqa: SLF001
+                                             brute.get, sizes, FS.flops_share(graph, spec))
     lines = [f"{name} ({host} {version}): full remat {full / MiB:.2f} MiB, no remat "
              f"{none / MiB:.2f} MiB, smallest set {smallest / MiB:.2f} MiB; {len(sizes)} "
-             f"sizes, tags {', '.join(pool)}"]
+             f"sizes, tags {', '.join(pool)}",
+             "  ranked by the trace, every set's compiled bytes known (the ranking alone): "
+             + FS.trace_ranking_text(step["trace_ranking"])]
     for mode in FS.modes(bare):
         rows = FS.sweep_step(brute, mode, sizes, graph, F, zoo, max_compiles, spare)
         summary = FS._summary(rows, n_front, mode != "memory_analysis")  # noqa: SLF001

@@ -80,6 +80,9 @@ def test_fit_sweep_small_meets_done_when(out):
         assert d["passed"], (key, d)
     for st in result["steps"].values():
         assert set(st["modes"]) == {"memory_analysis", "oracle", "oracle_bare"}
+        # the trace's ranking with every set's bytes known: at every size (from the
+        # smallest compiled set up, something fits), a gap in points
+        assert st["trace_ranking"]["sizes"] == 11 and st["trace_ranking"]["gap_max"] >= 0
         for m in st["modes"].values():
             assert m["summary"]["sizes"] == 11 and m["summary"]["reported"] == 0
             # every plan says why its search stopped (CompiledFit.stop, read by the sweep)
@@ -311,6 +314,30 @@ def test_fit_sweep_counts_why_fit_stopped_where_it_missed_by_over_2_points():
         "4 sizes over 2 points; fit stopped: the budget of 6 compiles is spent (1); "
         "no set ... is plausibly within the limit (2); ? (1)")
     assert fit_sweep.why_stopped(rows[:2]) == ""
+
+
+def test_fit_sweep_trace_ranking_by_hand():
+    """What the trace's ranking alone costs, by hand: three sets in the search's order
+    (least recompute by the trace first), their compiled bytes and FLOPs. At 10 bytes only
+    `c` fits (gap 0); at 20, `b` and `c`: the trace ranks `b` first but `c` compiles 30
+    FLOPs fewer (gap 30 x 0.001 = 3 points); at 30 all three, `a` first and fewest (0);
+    at 5 nothing fits (not counted)."""
+    with benchmarks_on_path():
+        import fit_sweep
+
+    from neuron_remat._search import _Candidate  # noqa: PLC0415
+
+    cands = [_Candidate(("a",), 0, 0, 1), _Candidate(("b",), 0, 0, 2),
+             _Candidate(("c",), 0, 0, 3)]
+    table = {("a",): {"bytes": 30, "flops": 100}, ("b",): {"bytes": 20, "flops": 150},
+             ("c",): {"bytes": 10, "flops": 120}}
+    got = fit_sweep.trace_ranking(cands, table.__getitem__, [5, 10, 20, 30], 0.001)
+    assert got["sizes"] == 3 and got["over_2"] == 1
+    assert got["share_gap_le_0_5"] == pytest.approx(2 / 3)
+    assert got["gap_max"] == pytest.approx(0.03)
+    assert fit_sweep.trace_ranking_text(got) == (
+        "67% of 3 sizes within 0.5 points, 1 over 2, 3.00 at most")
+    assert fit_sweep.trace_ranking(cands, table.__getitem__, [5], 0.001)["gap_max"] is None
 
 
 def test_fit_sweep_calibration_bins_the_search_chances_by_hand():
