@@ -641,9 +641,10 @@ class _Search:
         """The least chance to fit of a set the walk compiles where none is `PLAUSIBLE`:
         `LONG_SHOT`, or none at all while no compile has given a figure (the compile as
         the oracle, each error bare). There the chances come from a model no figure
-        calibrated (`_model_by_outcomes`: per-byte scale and workspace slope at their
-        prior, the intercept placed by which sets fit): they rank the sets, but do not say
-        that the budget stated up front is better left unspent. linen-gpt2 at 18.77 MiB,
+        calibrated, its per-byte scale and workspace slope at their prior and its
+        intercept placed by which sets fit (`_model_by_outcomes`) or raised to put full
+        remat over the limit (`_rescue`): they rank the sets, but do not say that the
+        budget stated up front is better left unspent. linen-gpt2 at 18.77 MiB,
         without figures: full remat, every tag and `merged_heads` ran out of memory,
         `c_proj` fit, and the walk stopped after 4 of its 10 compiles, every set that
         recomputes less put under 3%; `c_proj, c_fc` fits (8.91 points less recompute).
