@@ -501,6 +501,14 @@ def trace_ranking(cands: Sequence[Any], get: Callable[[Any], dict[str, float]],
             "gap_max": max(gaps) if gaps else None}
 
 
+def step_trace_ranking(brute: Brute, graph: Any, sizes: Sequence[int]) -> dict[str, Any]:
+    """`trace_ranking` of a swept step: every save set of `brute`'s tags as the search
+    orders them (`_search._candidates`), against `brute`'s compiles at `sizes`."""
+    SR = importlib.import_module("neuron_remat._search")
+    return trace_ranking(SR._candidates(graph, brute.tags), brute.get, sizes,  # noqa: SLF001
+                         flops_share(graph, brute.spec))
+
+
 def trace_ranking_text(t: dict[str, Any]) -> str:
     """`trace_ranking` on one line."""
     if t["gap_max"] is None:
@@ -637,8 +645,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 "no_remat_bytes": brute.get(None)["bytes"], "modes": {}}
         sizes = _sizes(brute, n_sizes)
         n_front = len(SR._frontier(SR._candidates(graph, own)))  # fit's pool
-        step["trace_ranking"] = trace_ranking(SR._candidates(graph, brute.tags), brute.get,
-                                              sizes, flops_share(graph, spec))
+        step["trace_ranking"] = step_trace_ranking(brute, graph, sizes)
         for mode in modes(args.bare_oracle):
             rows = sweep_step(brute, mode, sizes, graph, F, zoo, args.max_compiles,
                               args.spare)

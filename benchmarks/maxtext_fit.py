@@ -160,8 +160,7 @@ def sweep_real_step(name: str, spec: Any, graph: Any, host: str, version: str,
                             "modes": {}}
     sizes = FS._sizes(brute, n_sizes)  # noqa: SLF001
     n_front = len(SR._frontier(SR._candidates(graph, own)))  # noqa: SLF001 - fit's pool
-    step["trace_ranking"] = FS.trace_ranking(SR._candidates(graph, brute.tags),  # noqa: SLF001
-                                             brute.get, sizes, FS.flops_share(graph, spec))
+    step["trace_ranking"] = FS.step_trace_ranking(brute, graph, sizes)
     lines = [f"{name} ({host} {version}): full remat {full / MiB:.2f} MiB, no remat "
              f"{none / MiB:.2f} MiB, smallest set {smallest / MiB:.2f} MiB; {len(sizes)} "
              f"sizes, tags {', '.join(pool)}",
