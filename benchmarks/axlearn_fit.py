@@ -82,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                         args.out / "axlearn_brute", max_tags, n_sizes,
                                         args.max_compiles, args.brute_only, say,
                                         args.spare, args.bare_oracle, args.publish,
-                                        not args.no_tables)
+                                        not args.no_tables, args.retry)
         lines += more
         if step is not None:
             result["steps"][name] = step

@@ -35,7 +35,11 @@ tell a miss the budget causes from one its model causes (the search stops with c
 left: the best set is not plausible to it). ``--bare-oracle``: a third mode, ``oracle_bare``,
 whose simulated out-of-memory errors give no byte figure (a neuronx-cc NCC_EOOM002 may say
 only that the program does not fit), so that each compile says only whether it fits;
-reported beside the others, its compiles held to the oracle's cap.
+reported beside the others, its compiles held to the oracle's cap. ``--retry K``: where a
+plan says a better set may fit (`CompiledFit.unexplored`: sets not compiled that recompute
+less, each at least `PLAUSIBLE` likely to fit by the search's model), `fit` runs again with
+``max_compiles`` K more than it made, as its note advises; the report says how well the
+flag marks the misses (in every run) and what running again gained (with ``--retry``).
 """
 
 from __future__ import annotations
@@ -349,11 +353,14 @@ def _best(brute: Brute, limit: int) -> tuple[float, tuple[str, ...] | None] | No
 
 def sweep_step(brute: Brute, mode: str, sizes: Sequence[int], graph: Any,
                F: Any, zoo: Any, max_compiles: int | None = None,
-               own_pool: bool = False) -> list[dict[str, Any]]:
+               own_pool: bool = False, retry: int | None = None) -> list[dict[str, Any]]:
     """`fit` at each of `sizes` in `mode`, its compiles served from `brute`; with
     `max_compiles`, that budget is fit's (``max_compiles=``) instead of its own. `fit` is
     given the brute force's tags as ``candidates``; with `own_pool`, none (it picks its own
-    pool, and may compile the tags outside it: `brute` must cover both)."""
+    pool, and may compile the tags outside it: `brute` must cover both). With `retry`,
+    where a plan says a better set may fit (`CompiledFit.unexplored`), `fit` runs again
+    with ``max_compiles`` that many more than it made, as its note advises (the row's
+    ``retry``)."""
     counter = [0]
     make = cached_make_step(brute, counter)
     real_step_graph, real_candidates = F.step_graph, F._candidates  # noqa: SLF001
@@ -387,7 +394,7 @@ def sweep_step(brute: Brute, mode: str, sizes: Sequence[int], graph: Any,
     search_cls._measure = measure  # noqa: SLF001
     try:
         return _sweep(brute, mode, sizes, graph, zoo, counter, make, max_compiles, own_pool,
-                      chances)
+                      chances, retry)
     finally:
         F.step_graph, F._candidates = real_step_graph, real_candidates  # noqa: SLF001
         search_cls._measure = real_measure  # noqa: SLF001
@@ -395,8 +402,8 @@ def sweep_step(brute: Brute, mode: str, sizes: Sequence[int], graph: Any,
 
 def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
            counter: list[int], make: Any, max_compiles: int | None,
-           own_pool: bool = False, chances: list[list[Any]] | None = None
-           ) -> list[dict[str, Any]]:
+           own_pool: bool = False, chances: list[list[Any]] | None = None,
+           retry: int | None = None) -> list[dict[str, Any]]:
     import neuron_remat as nr  # noqa: PLC0415
 
     share = flops_share(graph, brute.spec)
@@ -416,31 +423,79 @@ def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
                                (None if best[1] is None else list(best[1])),
                                "best_overhead": None if best is None else
                                share * (best[0] - flops0)}
-        try:
-            plan = nr.fit(ms, *args, device=device, reserve=0,
-                          candidates=None if own_pool else list(brute.tags),
-                          progress=lambda line: None, **budget)
-        except nr.NoFitError:
-            row.update(outcome="refused", compiles=counter[0], fits=None, gap=None)
-        except ValueError as err:
-            row.update(outcome="reported", compiles=counter[0], fits=None, gap=None,
-                       why=str(err)[:200])
-        else:
+
+        def planned(**options: Any) -> dict[str, Any]:
+            counter[0] = 0
+            try:
+                plan = nr.fit(ms, *args, device=device, reserve=0,
+                              candidates=None if own_pool else list(brute.tags),
+                              progress=lambda line: None, **options)
+            except nr.NoFitError:
+                return {"outcome": "refused", "compiles": counter[0], "fits": None,
+                        "gap": None}
+            except ValueError as err:
+                return {"outcome": "reported", "compiles": counter[0], "fits": None,
+                        "gap": None, "why": str(err)[:200]}
             rec = plan.compiled
             key = None if rec.no_remat else tuple(t for t in brute.tags
                                                    if t in plan.saved_tags)
             truth = brute.get(key)
-            row.update(outcome="plan", saved=None if key is None else list(key),
-                       compiles=counter[0], fits=truth["bytes"] <= hbm,
-                       states_truth=(rec.flops == truth["flops"]
+            return {"outcome": "plan", "saved": None if key is None else list(key),
+                    "compiles": counter[0], "fits": truth["bytes"] <= hbm,
+                    "states_truth": (rec.flops == truth["flops"]
                                      and (not rec.measured or rec.bytes == truth["bytes"])),
-                       noticed=any("does not follow" in n for n in plan.notes),
-                       stop=rec.stop or None,
-                       overhead=share * (truth["flops"] - flops0),
-                       gap=None if best is None else share * (truth["flops"] - best[0]))
+                    "noticed": any("does not follow" in n for n in plan.notes),
+                    "stop": rec.stop or None, "unexplored": rec.unexplored,
+                    "overhead": share * (truth["flops"] - flops0),
+                    "gap": None if best is None else share * (truth["flops"] - best[0])}
+
+        row.update(planned(**budget))
         row["chances"] = [list(c) for c in chances]
+        if retry and row.get("unexplored"):
+            row["retry"] = planned(max_compiles=row["compiles"] + retry)
         rows.append(row)
     return rows
+
+
+def flagged(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """How well the plans' flag (`CompiledFit.unexplored` > 0: a better set may fit) marks
+    the misses: the plans, those flagged, the misses over 0.5 and 2 points and those among
+    them flagged, and the unflagged plans within 0.5 points; with ``--retry``, the flagged
+    plans' misses after `fit` ran again with the budget its note advises, and how many
+    came out better and worse."""
+    plans = [r for r in rows if r["outcome"] == "plan" and r.get("gap") is not None]
+    marked = [r for r in plans if r.get("unexplored")]
+    out = {"plans": len(plans), "flagged": len(marked),
+           "unflagged_within_0_5": sum(r["gap"] <= 0.005 + 1e-12 for r in plans
+                                       if not r.get("unexplored"))}
+    for name, bar in (("0_5", 0.005), ("2", 0.02)):
+        out[f"misses_{name}"] = sum(r["gap"] > bar + 1e-12 for r in plans)
+        out[f"flagged_misses_{name}"] = sum(r["gap"] > bar + 1e-12 for r in marked)
+    again = [(r["gap"], r["retry"]) for r in marked if "retry" in r]
+    if again:
+        gaps = [(g, t.get("gap")) for g, t in again]
+        out.update(retried=len(again),
+                   retried_misses_0_5=sum(g is None or g > 0.005 + 1e-12 for _, g in gaps),
+                   retried_misses_2=sum(g is None or g > 0.02 + 1e-12 for _, g in gaps),
+                   retried_better=sum(g is not None and g < a - 1e-12 for a, g in gaps),
+                   retried_worse=sum(g is None or g > a + 1e-12 for a, g in gaps),
+                   retried_all_fit=all(t["outcome"] == "plan" and t["fits"] for _, t in again))
+    return out
+
+
+def flagged_text(f: dict[str, Any]) -> str:
+    """`flagged`'s figures, as a line."""
+    text = (f"{f['flagged']} of {f['plans']} plans flagged; of the misses over 0.5 points "
+            f"{f['flagged_misses_0_5']} of {f['misses_0_5']} flagged, over 2 points "
+            f"{f['flagged_misses_2']} of {f['misses_2']}; unflagged plans within 0.5 points: "
+            f"{f['unflagged_within_0_5']} of {f['plans'] - f['flagged']}")
+    if "retried" in f:
+        text += (f"; run again as advised: misses over 0.5 points among the flagged "
+                 f"{f['flagged_misses_0_5']} -> {f['retried_misses_0_5']}, over 2 points "
+                 f"{f['flagged_misses_2']} -> {f['retried_misses_2']} ({f['retried_better']} "
+                 f"better, {f['retried_worse']} worse"
+                 + ("" if f["retried_all_fit"] else ", NOT every plan fits") + ")")
+    return text
 
 
 def calibration_text(bins: Sequence[dict[str, Any]]) -> str:
@@ -585,6 +640,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         "--xla_force_host_platform_device_count, set before JAX starts): "
                         "for steps laid out over several, e.g. tests.cpu.sharded_zoo's")
     p.add_argument("--bare-oracle", action="store_true", help=BARE_HELP)
+    p.add_argument("--retry", type=retry_count, default=None, metavar="K", help=RETRY_HELP)
     args = p.parse_args(argv)
     say = C.Printer(args.quiet)
     if args.host_devices:
@@ -648,13 +704,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         step["trace_ranking"] = step_trace_ranking(brute, graph, sizes)
         for mode in modes(args.bare_oracle):
             rows = sweep_step(brute, mode, sizes, graph, F, zoo, args.max_compiles,
-                              args.spare)
+                              args.spare, args.retry)
             step["modes"][mode] = {"summary": _summary(rows, n_front,
                                                        mode != "memory_analysis"),
                                    "rows": rows}
         result["steps"][name] = step
     if not args.brute_only:
         result["done_when"] = _done_when(result)
+        result["flagged"] = {mode: flagged(
+            [r for st in result["steps"].values() for r in st["modes"][mode]["rows"]])
+            for mode in _modes_of(result)}
         result["calibration"] = {mode: calibration(
             [r for st in result["steps"].values() for r in st["modes"][mode]["rows"]])
             for mode in _modes_of(result)}
@@ -675,6 +734,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 PUBLISH_HELP = ("write each step's cache, once filled, as its committed table "
                 "(benchmarks/brute_force/<step>.json, with the JAX that compiled it), from "
                 "which a fresh clone's cache starts")
+
+
+RETRY_HELP = ("where a plan says a better set may fit (its unexplored sets), run fit again "
+              "with max_compiles K more than it made, as its note advises, and report both")
+
+
+def retry_count(text: str) -> int:
+    """``--retry``: an int of at least 1, checked as `compile_budget` checks its own."""
+    from neuron_remat.cli import _count  # noqa: PLC0415
+
+    return _count(1, what="a number of compiles")(text)
 
 
 NO_TABLES_HELP = ("start no cache from the committed tables: compile what the cache in "
@@ -819,6 +889,10 @@ def _report(result: dict[str, Any]) -> list[str]:
                  "ranking alone costs, apart from the model of the bytes):")
     for name, st in result["steps"].items():
         lines.append(f"  {name}: {trace_ranking_text(st['trace_ranking'])}")
+    lines.append("")
+    lines.append("the plans that say a better set may fit (every step, by mode):")
+    for mode, f in result["flagged"].items():
+        lines.append(f"  {mode}: {flagged_text(f)}")
     lines.append("")
     lines.append("the search's chances against the compiles (every step, by mode): "
                  "compiles, mean chance given, share that fit")

@@ -74,6 +74,8 @@ def real_step_parser(description: str, name: str) -> Any:
     p.add_argument("--host-devices", type=FS.device_count, default=None, metavar="N",
                    help="XLA:CPU makes N devices, for the zoo module's SHARDED steps (8)")
     p.add_argument("--bare-oracle", action="store_true", help=FS.BARE_HELP)
+    p.add_argument("--retry", type=FS.retry_count, default=None, metavar="K",
+                   help=FS.RETRY_HELP)
     p.add_argument("--publish", action="store_true", help=FS.PUBLISH_HELP)
     p.add_argument("--no-tables", action="store_true", help=FS.NO_TABLES_HELP)
     return p
@@ -110,7 +112,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         step, more = sweep_real_step(name, spec, graph, "MaxText", mz.MAXTEXT_VERSION,
                                      args.out / "maxtext_brute", max_tags, n_sizes,
                                      args.max_compiles, args.brute_only, say, args.spare,
-                                     args.bare_oracle, args.publish, not args.no_tables)
+                                     args.bare_oracle, args.publish, not args.no_tables,
+                                     args.retry)
         lines += more
         if step is not None:
             result["steps"][name] = step
@@ -120,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 def sweep_real_step(name: str, spec: Any, graph: Any, host: str, version: str,
                     brute_dir: Path, max_tags: int, n_sizes: int, max_compiles: int | None,
                     brute_only: bool, say: Any, spare: bool = False, bare: bool = False,
-                    publish: bool = False, tables: bool = True
+                    publish: bool = False, tables: bool = True, retry: int | None = None
                     ) -> tuple[dict[str, Any] | None, list[str]]:
     """One step of a host library's real code (MaxText's, axlearn's; `graph` its
     `step_graph`): the brute force over its `max_tags` most useful tags, cached in
@@ -130,7 +133,8 @@ def sweep_real_step(name: str, spec: Any, graph: Any, host: str, version: str,
     (``<step>+spare.json``; the pool must be whole) and `fit` runs without ``candidates``,
     so that it can compile those tags (`_Search.spare`). With `publish`, the filled cache
     becomes the step's committed table (``--publish``, `fit_sweep.Brute.publish`); without
-    `tables` the cache does not start from one (``--no-tables``)."""
+    `tables` the cache does not start from one (``--no-tables``). With `retry`, fit_sweep's
+    ``--retry``."""
     import fit_sweep as FS  # noqa: PLC0415
     import zoo  # noqa: PLC0415
 
@@ -167,7 +171,7 @@ def sweep_real_step(name: str, spec: Any, graph: Any, host: str, version: str,
              "  ranked by the trace, every set's compiled bytes known (the ranking alone): "
              + FS.trace_ranking_text(step["trace_ranking"])]
     for mode in FS.modes(bare):
-        rows = FS.sweep_step(brute, mode, sizes, graph, F, zoo, max_compiles, spare)
+        rows = FS.sweep_step(brute, mode, sizes, graph, F, zoo, max_compiles, spare, retry)
         summary = FS._summary(rows, n_front, mode != "memory_analysis")  # noqa: SLF001
         gaps = [r["gap"] for r in rows if r.get("gap") is not None]
         summary["gap_bins"] = _gap_bins(gaps)
@@ -175,6 +179,9 @@ def sweep_real_step(name: str, spec: Any, graph: Any, host: str, version: str,
         lines += _report(mode, summary, rows)
         if why := FS.why_stopped(rows):
             lines.append(f"  {why}")
+        summary["flagged"] = FS.flagged(rows)
+        lines.append("  the plans that say a better set may fit: "
+                     + FS.flagged_text(summary["flagged"]))
         lines.append("  the search's chances (compiles, mean chance given, share that fit): "
                      + FS.calibration_text(FS.calibration(rows)))
     return step, lines

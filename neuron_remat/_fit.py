@@ -47,7 +47,9 @@ returns the user's step for a JAX remat policy; `args` are arrays or
    least `LIKELY`) where one recomputes less than the best compiled set, and never to a long
    shot while nothing better than full remat fits. It stops when the least-recompute set
    fits, nothing better is even a long shot, or the budget (`max_compiles`, 6 up to 8
-   tags, said up front) is spent, and logs why; the plan is the least-recompute set whose
+   tags, said up front) is spent, and logs why (where it left sets that recompute less
+   at `PLAUSIBLE` or more, the plan counts them, `CompiledFit.unexplored`, and a note names
+   the likeliest gain and a larger budget); the plan is the least-recompute set whose
    compile fit, never one that did not, unless another compiled set that fits
    counts fewer operations in its compile (``cost_analysis()``'s flops + transcendentals:
    no remat can count more than saving every tag), which then is the plan, with a note.
@@ -128,8 +130,8 @@ from ._compile import (OOM_SIGNALS, CompileFailedError, Probe, _Compiled, _polic
                        compile_named, out_of_memory)
 from ._format import fmt_bytes, grid, tag_list
 from ._mix import MIX_COMPILES, fit_per_layer
-from ._search import (DEFAULT_BAND, FLOOR, NO_REMAT, TIGHT, _Candidate, _candidate,
-                      _candidates, _frontier, _max_compiles, _Model, _oracle_cap,
+from ._search import (DEFAULT_BAND, FLOOR, NO_REMAT, PLAUSIBLE, TIGHT, _Candidate,
+                      _candidate, _candidates, _frontier, _max_compiles, _Model, _oracle_cap,
                       _PolicyIgnored, _Search, _stretch, _what)
 from ._step import (LayerBackward, StepGraph, StepTraceError, _named, _pool, aliases,
                     step_graph)
@@ -169,7 +171,14 @@ class CompiledFit:
     `bytes`, `flops` and `recompute_flops` are always `Plan.policy`'s compile (one policy
     on every layer, for hosts that take one). Where `fit(per_layer=True)` returns a mix
     (`Plan.layer_policies`), `mix_bytes`, `mix_flops` and `mix_recompute_flops` are that
-    mixed step's compile (its recompute as XLA counts it); None otherwise."""
+    mixed step's compile (its recompute as XLA counts it); None otherwise.
+
+    `unexplored` counts the save sets the search did not compile that recompute less than
+    its choice and that its model gives at least `PLAUSIBLE` (8%) chance to fit: where it
+    is not 0, fitting again with a larger ``max_compiles`` may find a better plan (a note
+    names the greatest expected gain and a budget 3 compiles larger, at most). 0 where no
+    compile gave a byte figure (``memory_analysis()``'s or an out-of-memory error's): no
+    figure calibrated the chances."""
 
     hbm_bytes: int
     reserve_bytes: int
@@ -192,6 +201,7 @@ class CompiledFit:
     mix_bytes: int | None = None
     mix_flops: float | None = None
     mix_recompute_flops: float | None = None
+    unexplored: int = 0
 
     @property
     def overhead(self) -> float:
@@ -408,6 +418,9 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
         raise NoFitError(_no_fit(probes, limit, hbm, held, search.oracle)
                          + (f" Also: {search.noticed}." if search.noticed else ""))
     notes = [f"search: {search.stop}"]
+    left = search.unexplored()
+    if left:
+        notes.append(_unexplored_note(left, best, graph, search.used))
     if graph.shards > 1:
         notes.append(_shards_note(graph.shards))
     cheaper = _fewest_ops(best, [c for c in search.candidates if search.fits(c.saved)],
@@ -438,7 +451,23 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
         tags = (*tags, *best.saved)
     return _make_plan(graph, best, cands, device, hbm, held, limit, probes, model, tags, r,
                       plan_options, measured=measured, extra_notes=notes,
-                      over={s for s, c in results.items() if c.over(limit)}, stop=search.stop)
+                      over={s for s, c in results.items() if c.over(limit)}, stop=search.stop,
+                      unexplored=len(left))
+
+
+def _unexplored_note(left: Sequence[tuple[_Candidate, float]], best: _Candidate,
+                     graph: StepGraph, used: int) -> str:
+    """The plan's note on the save sets the search left (`_Search.unexplored`: greatest
+    expected gain first, each with its chance to fit) that recompute less than `best`."""
+    top, p = left[0]
+    many = len(left) > 1
+    return (f"{len(left)} save set{'s' if many else ''} not compiled recompute less than the "
+            f"plan and {'are each' if many else 'is'} {PLAUSIBLE:.0%} or more likely to fit "
+            f"by the search's model (the greatest expected gain: {_what(top.saved)}, "
+            f"{p:.0%} likely, {100 * (best.recompute - top.recompute) / graph.no_remat_flops:.3g}"
+            f" points of the step less recompute): fit again with "
+            f"max_compiles={used + min(len(left), 3)} for up to {min(len(left), 3)} compiles "
+            "more")
 
 
 def _shards_note(shards: int) -> str:
@@ -518,7 +547,7 @@ def _make_plan(graph: StepGraph, best: _Candidate, cands: Sequence[_Candidate],
                probes: Sequence[Probe], model: _Model, tags: Sequence[str],
                compiled: _Compiled, options: dict[str, Any], measured: bool = True,
                extra_notes: Sequence[str] = (), over: set[Any] | None = None,
-               stop: str = "") -> Plan:
+               stop: str = "", unexplored: int = 0) -> Plan:
     layers = graph.depth
     notes = list(extra_notes)
     if graph.count != layers:
@@ -583,7 +612,7 @@ def _make_plan(graph: StepGraph, best: _Candidate, cands: Sequence[_Candidate],
         workspace_slope=model.slope, workspace_bytes=workspace,
         workspace_error_bytes=int(error), layers=layers,
         step_flops=float(graph.no_remat_flops), recompute_flops=float(recompute),
-        measured=measured, stop=stop, scale=model.scale)
+        measured=measured, stop=stop, scale=model.scale, unexplored=unexplored)
     fwd = graph.no_remat_flops / 3 / layers
     return Plan(
         policy=_policy(best.saved), saved_tags=tuple(saved),

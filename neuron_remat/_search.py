@@ -675,6 +675,22 @@ class _Search:
             scored.append((p * (best.recompute - c.recompute), p, -c.recompute, c))
         return scored
 
+    def unexplored(self) -> list[tuple[_Candidate, float]]:
+        """Once the search has ended: the save sets it did not compile that recompute less
+        than the best one that fit and that its model gives at least `PLAUSIBLE` chance
+        to fit, each with that chance, greatest expected gain first (what a larger budget
+        would compile next). Empty where no compile gave a figure (the chances then come
+        from an uncalibrated model), where nothing fit or where memory does not follow
+        the kept bytes."""
+        best = self.best()
+        if best is None or self.model is None or self.noticed or not self.points():
+            return []
+        better = [c for c in self.candidates
+                  if c.saved not in self.compiled and c.recompute < best.recompute]
+        scored = sorted(self._scored(best, better, PLAUSIBLE, False),
+                        key=lambda s: s[:3], reverse=True)
+        return [(c, p) for _, p, _, c in scored]
+
     def _frontier_midpoint(self, better: Sequence[_Candidate]) -> _Candidate | None:
         front = _frontier(self.candidates, self.predict)
         idx = {c.saved: i for i, c in enumerate(front)}

@@ -316,6 +316,36 @@ def test_fit_sweep_counts_why_fit_stopped_where_it_missed_by_over_2_points():
     assert fit_sweep.why_stopped(rows[:2]) == ""
 
 
+def test_fit_sweep_counts_the_plans_that_say_a_better_set_may_fit_by_hand():
+    """`flagged`, by hand: five plans (gaps 0, 0.3, 1, 3 and 0.4 points; the second, third
+    and fourth flagged), one refusal (not a plan). Misses over 0.5 points: the 1 and 3, both
+    flagged; over 2: the 3, flagged; the unflagged plans (0 and 0.4) are both within 0.5.
+    Run again: the 0.3 stays, the 1 becomes 0 (better), the 3 becomes 4 (worse): over 0.5
+    points 2 -> 1, over 2 points 1 -> 1."""
+    with benchmarks_on_path():
+        import fit_sweep
+
+    def plan(gap, again=None):
+        row = {"outcome": "plan", "gap": gap / 100, "unexplored": int(again is not None)}
+        if again is not None:
+            row["retry"] = {"outcome": "plan", "fits": True, "gap": again / 100}
+        return row
+
+    rows = [plan(0), plan(0.3, 0.3), plan(1, 0), plan(3, 4), plan(0.4),
+            {"outcome": "refused", "gap": None}]
+    got = fit_sweep.flagged(rows)
+    assert got == {"plans": 5, "flagged": 3, "unflagged_within_0_5": 2, "misses_0_5": 2,
+                   "flagged_misses_0_5": 2, "misses_2": 1, "flagged_misses_2": 1,
+                   "retried": 3, "retried_misses_0_5": 1, "retried_misses_2": 1,
+                   "retried_better": 1, "retried_worse": 1, "retried_all_fit": True}
+    assert fit_sweep.flagged_text(got) == (
+        "3 of 5 plans flagged; of the misses over 0.5 points 2 of 2 flagged, over 2 points 1 "
+        "of 1; unflagged plans within 0.5 points: 2 of 2; run again as advised: misses over "
+        "0.5 points among the flagged 2 -> 1, over 2 points 1 -> 1 (1 better, 1 worse)")
+    once = [{k: v for k, v in r.items() if k != "retry"} for r in rows]  # no --retry
+    assert "retried" not in fit_sweep.flagged(once)
+
+
 def test_fit_sweep_trace_ranking_by_hand():
     """What the trace's ranking alone costs, by hand: three sets in the search's order
     (least recompute by the trace first), their compiled bytes and FLOPs. At 10 bytes only

@@ -1243,3 +1243,53 @@ def test_oracle_without_figures_spends_its_budget_where_no_figure_calibrated_the
     # once an error gives a figure, the model is calibrated and the floor is back
     _, s, _ = _run(cands, table, limit, oracle=True, figures=True, stretch=4)
     assert s.points() and s._long_shot() == S.LONG_SHOT
+
+
+def test_a_plan_says_when_a_better_set_may_fit():
+    """MaxText's gpt-oss at 69,114,060 bytes, memory figures, fit's own budget (6 and 7 for
+    full remat 1.09 MiB over): the search ends on `query_proj, key_proj, value_proj,
+    out_proj, mlpwi_0, mlpwo`, while `mlpwi_0, moe_mlpwi_1, mlpwo` fits and recomputes less
+    (the table's brute force; 22.74 points of step FLOPs less). The search knows what it
+    left: that set is among those it did not compile that recompute less than its choice
+    and that its model gives at least `PLAUSIBLE` chance to fit (`unexplored`, greatest
+    expected gain first), which `fit` states in the plan. Where nothing recomputes less
+    than the choice, or no compile gave a figure, nothing is listed."""
+    cands, table = _compiles("maxtext-gpt-oss")  # MaxText 0.2.5, tests/cpu/maxtext_zoo.py
+    limit = 69_114_060
+    best = min((c for c in cands if table[c.saved] <= limit), key=lambda c: c.recompute)
+    assert best.saved == ("mlpwi_0", "moe_mlpwi_1", "mlpwo")
+    got, s, calls = _run(cands, table, limit, stretch=7)
+    assert got.recompute > best.recompute and best.saved not in calls  # the premise
+    left = s.unexplored()
+    assert best.saved in [c.saved for c, _ in left], left
+    for c, p in left:
+        assert c.saved not in calls and c.recompute < got.recompute
+        assert p == s.chance(c) >= S.PLAUSIBLE
+    gains = [p * (got.recompute - c.recompute) for c, p in left]
+    assert gains == sorted(gains, reverse=True)
+    # no remat fits: nothing recomputes less than it
+    got, s, _ = _run(cands, table, table[None] + 1, stretch=7)
+    assert got.saved is None and s.unexplored() == []
+    # the compile as the oracle without figures: no figure calibrated the chances
+    got, s, _ = _run(cands, table, limit, oracle=True, stretch=7)
+    assert got is not None and not s.points() and s.unexplored() == []
+
+
+def test_the_plan_states_what_a_larger_budget_would_compile(small):
+    """`fit` with a budget of 3 on the small step, 10% above full remat: the plan counts the
+    save sets it did not compile that recompute less and are `PLAUSIBLE` or more likely to
+    fit (`CompiledFit.unexplored`), and its note names the likeliest gain and the budget that
+    would compile up to three of them. Fitting again with that budget, the plan recomputes
+    no more, and its policy compiles within the limit (XLA's figure)."""
+    make_step, args, (full_bytes, _) = small
+    hbm = int(full_bytes * 1.10)
+    plan = nr.fit(make_step, *args, device=_device(hbm), reserve=0, max_compiles=3)
+    rec = plan.compiled
+    assert rec.unexplored > 0 and rec.compiles == 3
+    advice = f"max_compiles={rec.compiles + min(rec.unexplored, 3)}"
+    note = next(n for n in plan.notes if advice in n)
+    assert note.startswith(f"{rec.unexplored} save set")
+    again = nr.fit(make_step, *args, device=_device(hbm), reserve=0,
+                   max_compiles=rec.compiles + min(rec.unexplored, 3))
+    assert again.compiled.recompute_flops <= rec.recompute_flops
+    assert _measure(make_step.real(again.policy), args)[0] <= hbm
