@@ -860,6 +860,12 @@ def _done_when(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _by_mode(title: str, figures: dict[str, Any], text: Callable[[Any], str]) -> list[str]:
+    """A section of the report: `title`, a line per mode of `figures` (`text` of its
+    figures), and a blank line."""
+    return [title, *(f"  {mode}: {text(f)}" for mode, f in figures.items()), ""]
+
+
 def _report(result: dict[str, Any]) -> list[str]:
     lines = [] if result.get("max_compiles") is None else [
         f"fit's budget: max_compiles={result['max_compiles']} (not its own; the <=cap column "
@@ -890,15 +896,11 @@ def _report(result: dict[str, Any]) -> list[str]:
     for name, st in result["steps"].items():
         lines.append(f"  {name}: {trace_ranking_text(st['trace_ranking'])}")
     lines.append("")
-    lines.append("the plans that say a better set may fit (every step, by mode):")
-    for mode, f in result["flagged"].items():
-        lines.append(f"  {mode}: {flagged_text(f)}")
-    lines.append("")
-    lines.append("the search's chances against the compiles (every step, by mode): "
-                 "compiles, mean chance given, share that fit")
-    for mode, bins in result["calibration"].items():
-        lines.append(f"  {mode}: {calibration_text(bins)}")
-    lines.append("")
+    lines += _by_mode("the plans that say a better set may fit (every step, by mode):",
+                      result["flagged"], flagged_text)
+    lines += _by_mode("the search's chances against the compiles (every step, by mode): "
+                      "compiles, mean chance given, share that fit", result["calibration"],
+                      calibration_text)
     lines.append("done when (gap in points of the no-remat step's FLOPs):")
     for key, d in result["done_when"].items():
         bad = [k for k, v in d["checks"].items() if not v]
