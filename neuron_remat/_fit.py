@@ -461,13 +461,13 @@ def _unexplored_note(left: Sequence[tuple[_Candidate, float]], best: _Candidate,
     expected gain first, each with its chance to fit) that recompute less than `best`."""
     top, p = left[0]
     many = len(left) > 1
+    saved = 100 * (best.recompute - top.recompute) / graph.no_remat_flops
     return (f"{len(left)} save set{'s' if many else ''} not compiled recompute less than the "
-            f"plan and {'are each' if many else 'is'} {PLAUSIBLE:.0%} or more likely to fit "
-            f"by the search's model (the greatest expected gain: {_what(top.saved)}, "
-            f"{p:.0%} likely, {100 * (best.recompute - top.recompute) / graph.no_remat_flops:.3g}"
-            f" points of the step less recompute): fit again with "
-            f"max_compiles={used + min(len(left), 3)} for up to {min(len(left), 3)} compiles "
-            "more")
+            f"search's choice and {'are each' if many else 'is'} {PLAUSIBLE:.0%} or more "
+            f"likely to fit by its model (the greatest expected gain: {_what(top.saved)}, "
+            f"{p:.0%} likely, {saved:.3g} points of the step's FLOPs less recompute): fit "
+            f"again with max_compiles={used + min(len(left), 3)} for up to "
+            f"{min(len(left), 3)} compiles more")
 
 
 def _shards_note(shards: int) -> str:

@@ -1278,9 +1278,9 @@ def test_a_plan_says_when_a_better_set_may_fit():
 def test_the_plan_states_what_a_larger_budget_would_compile(small):
     """`fit` with a budget of 3 on the small step, 10% above full remat: the plan counts the
     save sets it did not compile that recompute less and are `PLAUSIBLE` or more likely to
-    fit (`CompiledFit.unexplored`), and its note names the likeliest gain and the budget that
-    would compile up to three of them. Fitting again with that budget, the plan recomputes
-    no more, and its policy compiles within the limit (XLA's figure)."""
+    fit (`CompiledFit.unexplored`), and its note names the greatest expected gain and the
+    budget that gives the search up to three compiles more. Fitting again with that budget,
+    the plan recomputes no more, and its policy compiles within the limit (XLA's figure)."""
     make_step, args, (full_bytes, _) = small
     hbm = int(full_bytes * 1.10)
     plan = nr.fit(make_step, *args, device=_device(hbm), reserve=0, max_compiles=3)
