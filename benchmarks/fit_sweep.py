@@ -38,8 +38,9 @@ only that the program does not fit), so that each compile says only whether it f
 reported beside the others, its compiles held to the oracle's cap. ``--retry K``: where a
 plan says a better set may fit (`CompiledFit.unexplored`: sets not compiled that recompute
 less, each at least `PLAUSIBLE` likely to fit by the search's model), `fit` runs again with
-``max_compiles`` K more than it made, as its note advises; the report says how well the
-flag marks the misses (in every run) and what running again gained (with ``--retry``).
+``max_compiles`` as many more than it made as it left such sets, up to K (with K = 3, as
+its note advises); the report says how well the flag marks the misses (in every run) and
+what running again gained (with ``--retry``).
 """
 
 from __future__ import annotations
@@ -359,8 +360,8 @@ def sweep_step(brute: Brute, mode: str, sizes: Sequence[int], graph: Any,
     given the brute force's tags as ``candidates``; with `own_pool`, none (it picks its own
     pool, and may compile the tags outside it: `brute` must cover both). With `retry`,
     where a plan says a better set may fit (`CompiledFit.unexplored`), `fit` runs again
-    with ``max_compiles`` that many more than it made, as its note advises (the row's
-    ``retry``)."""
+    with ``max_compiles`` as many more than it made as it left such sets, up to `retry`
+    (with 3, as its note advises; the row's ``retry``)."""
     counter = [0]
     make = cached_make_step(brute, counter)
     real_step_graph, real_candidates = F.step_graph, F._candidates  # noqa: SLF001
@@ -452,7 +453,7 @@ def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
         row.update(planned(**budget))
         row["chances"] = [list(c) for c in chances]
         if retry and row.get("unexplored"):
-            row["retry"] = planned(max_compiles=row["compiles"] + retry)
+            row["retry"] = planned(max_compiles=row["compiles"] + min(row["unexplored"], retry))
         rows.append(row)
     return rows
 
@@ -737,7 +738,8 @@ PUBLISH_HELP = ("write each step's cache, once filled, as its committed table "
 
 
 RETRY_HELP = ("where a plan says a better set may fit (its unexplored sets), run fit again "
-              "with max_compiles K more than it made, as its note advises, and report both")
+              "with max_compiles as many more than it made as it left such sets, up to K (3: "
+              "as its note advises), and report both")
 
 
 def retry_count(text: str) -> int:
