@@ -712,12 +712,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result["steps"][name] = step
     if not args.brute_only:
         result["done_when"] = _done_when(result)
-        result["flagged"] = {mode: flagged(
-            [r for st in result["steps"].values() for r in st["modes"][mode]["rows"]])
-            for mode in _modes_of(result)}
-        result["calibration"] = {mode: calibration(
-            [r for st in result["steps"].values() for r in st["modes"][mode]["rows"]])
-            for mode in _modes_of(result)}
+        result["flagged"] = {mode: flagged(_mode_rows(result, mode))
+                             for mode in _modes_of(result)}
+        result["calibration"] = {mode: calibration(_mode_rows(result, mode))
+                                 for mode in _modes_of(result)}
         lines = _report(result)
         result["fit_always_fits"] = all(
             m["summary"]["all_fit"] for st in result["steps"].values()
@@ -756,6 +754,11 @@ NO_TABLES_HELP = ("start no cache from the committed tables: compile what the ca
 def modes(bare: bool) -> tuple[str, ...]:
     """The modes a sweep runs: `MODES`, and with `bare` (``--bare-oracle``) `BARE`."""
     return (*MODES, BARE) if bare else MODES
+
+
+def _mode_rows(result: dict[str, Any], mode: str) -> list[dict[str, Any]]:
+    """Every step's rows of `result` swept in `mode`."""
+    return [r for st in result["steps"].values() for r in st["modes"][mode]["rows"]]
 
 
 def _modes_of(result: dict[str, Any]) -> tuple[str, ...]:

@@ -332,6 +332,13 @@ class _Search:
         return [(b, self._by[s].stored, self._by[s].read) for s, r in self.compiled.items()
                 if s is not None and self._known(s) and (b := self._figure(r)) is not None]
 
+    @property
+    def _calibrated(self) -> bool:
+        """Whether some compile gave a figure (`points`). Without one the model is
+        uncalibrated: its chances rank the sets, but no figure stands behind them
+        (`_long_shot`, `unexplored`, the rescue's `_fewest_tags_most_saved`)."""
+        return bool(self.points())
+
     def _known(self, saved: Any) -> bool:
         """Whether `saved` is a candidate (spare sets become candidates once adopted)."""
         return not self.spare or any(c.saved == saved for c in self.candidates)
@@ -649,7 +656,7 @@ class _Search:
         `c_proj` fit, and the walk stopped after 4 of its 10 compiles, every set that
         recomputes less put under 3%; `c_proj, c_fc` fits (8.91 points less recompute).
         On the zoo's train steps this moved nothing in any mode."""
-        return LONG_SHOT if self.points() else 0.0
+        return LONG_SHOT if self._calibrated else 0.0
 
     def _scored(self, best: _Candidate, better: Sequence[_Candidate], least: float,
                 cautious: bool) -> list[tuple[float, float, int, _Candidate]]:
@@ -683,7 +690,7 @@ class _Search:
         from an uncalibrated model), where nothing fit or where memory does not follow
         the kept bytes."""
         best = self.best()
-        if best is None or self.model is None or self.noticed or not self.points():
+        if best is None or self.model is None or self.noticed or not self._calibrated:
             return []
         better = [c for c in self.candidates
                   if c.saved not in self.compiled and c.recompute < best.recompute]
@@ -1066,7 +1073,7 @@ class _Search:
             # too, and the budget is the memory mode's; with the oracle, most likely first,
             # until every tag alone came out over with no figure (`_fewest_tags_most_saved`)
             c = (self._most_gain(todo) if self.compiled[()].bytes is not None
-                 else self._fewest_tags_most_saved(todo) if not singles and not self.points()
+                 else self._fewest_tags_most_saved(todo) if not singles and not self._calibrated
                  else self._most_likely(todo))
             got = self._measure(c)
             if got.over(self.limit):
