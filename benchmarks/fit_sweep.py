@@ -360,8 +360,9 @@ def sweep_step(brute: Brute, mode: str, sizes: Sequence[int], graph: Any,
     given the brute force's tags as ``candidates``; with `own_pool`, none (it picks its own
     pool, and may compile the tags outside it: `brute` must cover both). With `retry`,
     where a plan says a better set may fit (`CompiledFit.unexplored`), `fit` runs again
-    with ``max_compiles`` as many more than it made as it left such sets, up to `retry`
-    (with 3, as its note advises; the row's ``retry``)."""
+    with ``max_compiles`` as many more than it made as it left such sets, up to `retry`,
+    resuming the first plan (with 3, as its note advises; the row's ``retry``, whose
+    ``compiles`` counts the compiles it made and ``reused`` those read back)."""
     counter = [0]
     make = cached_make_step(brute, counter)
     real_step_graph, real_candidates = F.step_graph, F._candidates  # noqa: SLF001
@@ -425,12 +426,15 @@ def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
                                "best_overhead": None if best is None else
                                share * (best[0] - flops0)}
 
+        made: list[Any] = []  # the plan, for the retry's resume
+
         def planned(**options: Any) -> dict[str, Any]:
             counter[0] = 0
             try:
                 plan = nr.fit(ms, *args, device=device, reserve=0,
                               candidates=None if own_pool else list(brute.tags),
                               progress=lambda line: None, **options)
+                made.append(plan)
             except nr.NoFitError:
                 return {"outcome": "refused", "compiles": counter[0], "fits": None,
                         "gap": None}
@@ -447,13 +451,15 @@ def _sweep(brute: Brute, mode: str, sizes: Sequence[int], graph: Any, zoo: Any,
                                      and (not rec.measured or rec.bytes == truth["bytes"])),
                     "noticed": any("does not follow" in n for n in plan.notes),
                     "stop": rec.stop or None, "unexplored": rec.unexplored,
+                    "reused": rec.reused,
                     "overhead": share * (truth["flops"] - flops0),
                     "gap": None if best is None else share * (truth["flops"] - best[0])}
 
         row.update(planned(**budget))
         row["chances"] = [list(c) for c in chances]
         if retry and row.get("unexplored"):
-            row["retry"] = planned(max_compiles=row["compiles"] + min(row["unexplored"], retry))
+            row["retry"] = planned(max_compiles=row["compiles"] + min(row["unexplored"], retry),
+                                   resume=made[0])
         rows.append(row)
     return rows
 
@@ -480,6 +486,7 @@ def flagged(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
                    retried_misses_2=sum(g is None or g > 0.02 + 1e-12 for _, g in gaps),
                    retried_better=sum(g is not None and g < a - 1e-12 for a, g in gaps),
                    retried_worse=sum(g is None or g > a + 1e-12 for a, g in gaps),
+                   retried_new_compiles=sum(t["compiles"] for _, t in again),
                    retried_all_fit=all(t["outcome"] == "plan" and t["fits"] for _, t in again))
     return out
 
@@ -494,7 +501,9 @@ def flagged_text(f: dict[str, Any]) -> str:
         text += (f"; run again as advised: misses over 0.5 points among the flagged "
                  f"{f['flagged_misses_0_5']} -> {f['retried_misses_0_5']}, over 2 points "
                  f"{f['flagged_misses_2']} -> {f['retried_misses_2']} ({f['retried_better']} "
-                 f"better, {f['retried_worse']} worse"
+                 f"better, {f['retried_worse']} worse; {f['retried_new_compiles']} compiles "
+                 f"made, {f['retried_new_compiles'] / f['retried']:.2f} a plan, the rest read "
+                 "back by resume"
                  + ("" if f["retried_all_fit"] else ", NOT every plan fits") + ")")
     return text
 
@@ -737,7 +746,8 @@ PUBLISH_HELP = ("write each step's cache, once filled, as its committed table "
 
 RETRY_HELP = ("where a plan says a better set may fit (its unexplored sets), run fit again "
               "with max_compiles as many more than it made as it left such sets, up to K (3: "
-              "as its note advises), and report both")
+              "as its note advises), resuming the first plan (its compiles read back), and "
+              "report both and the compiles the second made")
 
 
 def retry_count(text: str) -> int:

@@ -31,7 +31,10 @@ class Probe:
     `bytes` is ``argument + output + temp - alias`` from ``memory_analysis()`` (-1 when the
     backend reports none: then the compile is the oracle, `out_of_memory` its answer);
     `saved` is None for no remat. `predicted_bytes` is what the fitted model said before
-    this compile (None for the probes it was fitted on)."""
+    this compile (None for the probes it was fitted on). `fixed_bytes` (arguments + outputs
+    - donated, from the lowering) and `transcendentals` (``cost_analysis()``'s count) are
+    what a later `fit` resuming this one reads back; `reused` marks a probe taken from
+    such an earlier fit (``fit(resume=...)``): nothing was compiled for it, `seconds` 0."""
 
     label: str
     saved: tuple[str, ...] | None
@@ -45,6 +48,19 @@ class Probe:
     predicted_bytes: int | None = None
     out_of_memory: bool = False  # the compile failed for want of device memory
     reported_bytes: int | None = None  # the byte figure that failure gave, if any
+    fixed_bytes: int | None = None
+    transcendentals: float = 0.0
+    reused: bool = False
+
+
+def probe_of(label: str, saved: tuple[str, ...] | None, r: _Compiled,
+             predicted: int | None = None, reused: bool = False) -> Probe:
+    """Compile `r` of save set `saved` as `fit` reports it (`reused`: read back from an
+    earlier fit, 0 seconds)."""
+    return Probe(label, saved, r.bytes if r.bytes is not None else -1, r.argument, r.output,
+                 r.temp, r.alias, r.flops, 0.0 if reused else r.seconds, predicted,
+                 out_of_memory=r.oom, reported_bytes=r.reported, fixed_bytes=r.fixed,
+                 transcendentals=r.transcendentals, reused=reused)
 
 
 class CompileFailedError(ValueError):

@@ -127,9 +127,9 @@ from typing import Any
 import numpy as np
 
 from ._compile import (OOM_SIGNALS, CompileFailedError, Probe, _Compiled, _policy,
-                       compile_named, out_of_memory)
+                       compile_named, out_of_memory, probe_of)
 from ._format import fmt_bytes, grid, tag_list
-from ._mix import MIX_COMPILES, fit_per_layer
+from ._mix import MIX_COMPILES, MIX_LABEL, fit_per_layer
 from ._search import (DEFAULT_BAND, FLOOR, NO_REMAT, PLAUSIBLE, TIGHT, _Candidate,
                       _candidate, _candidates, _frontier, _max_compiles, _Model, _oracle_cap,
                       _PolicyIgnored, _Search, _stretch, _what)
@@ -178,7 +178,11 @@ class CompiledFit:
     is not 0, fitting again with a larger ``max_compiles`` may find a better plan (a note
     names the greatest expected gain and a budget 3 compiles larger, at most). 0 where no
     compile gave a byte figure (``memory_analysis()``'s or an out-of-memory error's): no
-    figure calibrated the chances."""
+    figure calibrated the chances.
+
+    `reused` counts the compiles taken from an earlier fit of the same step at the same
+    limit (``fit(resume=...)``): those of `compiles` that were not compiled again (each
+    such probe's `Probe.reused` is True)."""
 
     hbm_bytes: int
     reserve_bytes: int
@@ -202,6 +206,7 @@ class CompiledFit:
     mix_flops: float | None = None
     mix_recompute_flops: float | None = None
     unexplored: int = 0
+    reused: int = 0
 
     @property
     def overhead(self) -> float:
@@ -221,7 +226,7 @@ class CompiledFit:
 # --------------------------------------------------------------------------------------
 
 _OPTIONS = ("candidates", "max_compiles", "progress", "band", "runner_ups", "per_layer",
-            "max_sets")
+            "max_sets", "resume")
 
 
 def _check_options(plan_options: dict[str, Any]) -> tuple[int | None, float]:
@@ -324,8 +329,12 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
             list; 3), ``per_layer`` (True: then a mix of save sets over the layers, no
             remat among them, compiled to confirm it: `fit_per_layer`, among the same
             ``candidates``; a ``max_compiles`` given caps the two together, the uniform
-            fit getting all but `MIX_COMPILES` of it, and at least 3) and ``max_sets``
-            (distinct sets in that mix, at least 1, None for any; 2).
+            fit getting all but `MIX_COMPILES` of it, and at least 3), ``max_sets``
+            (distinct sets in that mix, at least 1, None for any; 2) and ``resume`` (the
+            `Plan` an earlier `fit` of this step at this limit returned, its
+            `CompiledFit`, or the JSON of either as ``neuron-remat fit --json`` prints
+            it: a save set compiled there is read back, not compiled again, and still
+            counts against ``max_compiles``; see `CompiledFit.reused`).
 
     Returns a `Plan` whose `Plan.policy` is exactly what was compiled (no remat:
     ``jax.checkpoint_policies.everything_saveable``) and whose `Plan.compiled` holds that
@@ -355,6 +364,7 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
     device, hbm, held, limit, graph, tags, max_compiles, band = _setup(
         make_step, args, device, reserve, plan_options)
     cands = _candidates(graph, tags)
+    earlier = _resumed(plan_options.get("resume"), limit, graph)
     budget = max_compiles or _max_compiles(len(tags))
     stretch = _stretch(len(tags), budget_given=max_compiles is not None)
     probes: list[Probe] = []
@@ -373,15 +383,16 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
         label = ("full remat" if c.saved == () else NO_REMAT if c.saved is None
                  else "every tag saved" if not probes[1:] and len(c.saved) == len(tags)
                  else "search")
-        progress(f"compile {len(probes) + 1}: {label} ({_what(c.saved)}) ...")
+        reused = c.saved in earlier
+        progress(f"compile {len(probes) + 1}: {label} ({_what(c.saved)}) "
+                 + ("(read back from resume)" if reused else "..."))
         before = "; ".join(f"{p.label} ({_what(p.saved)})" for p in probes)
-        r = compile_named(lambda: make_step(_policy(c.saved)), args,
-                          f"fit: compile {len(probes) + 1} ({_what(c.saved)})"
-                          + (f", after {before}," if before else ""))
+        r = earlier[c.saved] if reused else compile_named(
+            lambda: make_step(_policy(c.saved)), args,
+            f"fit: compile {len(probes) + 1} ({_what(c.saved)})"
+            + (f", after {before}," if before else ""))
         results[c.saved] = r
-        probes.append(Probe(label, c.saved, r.bytes if r.bytes is not None else -1,
-                            r.argument, r.output, r.temp, r.alias, r.flops, r.seconds,
-                            predicted, out_of_memory=r.oom, reported_bytes=r.reported))
+        probes.append(probe_of(label, c.saved, r, predicted, reused))
         if r.bytes is not None:
             said = f"{fmt_bytes(r.bytes)} ({'fits' if r.bytes <= limit else 'over'} " \
                    f"{fmt_bytes(limit)})"
@@ -389,7 +400,7 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
             said = ("out of memory" + (f" ({fmt_bytes(r.reported)} reported)"
                                        if r.reported else "")) if r.oom else "compiled"
         progress(f"compile {len(probes)}: {said}, {r.flops / 1e9:.4g} GFLOP, "
-                 f"{r.seconds:.1f} s")
+                 + ("not compiled again" if reused else f"{r.seconds:.1f} s"))
         return r
 
     if graph.shards > 1:
@@ -455,6 +466,49 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
                       unexplored=len(left))
 
 
+def _resumed(resume: Any, limit: int, graph: StepGraph) -> dict[Any, _Compiled]:
+    """The compiles of an earlier fit, by save set, for ``fit(resume=...)``: `resume` is
+    its `Plan`, its `CompiledFit`, or the JSON of either (a dict, as ``neuron-remat fit
+    --json`` prints a plan). It must be of this step (the same FLOPs without remat) at this
+    limit: an out-of-memory answer holds at one limit only. A per-layer mix's compiles
+    are left out (they are not one save set's)."""
+    if resume is None:
+        return {}
+    rec = resume.get("compiled", resume) if isinstance(resume, dict) else getattr(
+        resume, "compiled", resume)
+
+    def get(key: str) -> Any:
+        return rec.get(key) if isinstance(rec, dict) else getattr(rec, key, None)
+
+    probes, lim, flops = get("probes"), get("limit_bytes"), get("step_flops")
+    if probes is None or lim is None:
+        raise ValueError(f"resume={type(resume).__name__}: give the Plan an earlier fit "
+                         "returned, its CompiledFit, or the JSON neuron-remat fit --json "
+                         "printed; this holds no compiles")
+    if int(lim) != limit:
+        raise ValueError(f"resume: the earlier fit's limit was {fmt_bytes(int(lim))}, this "
+                         f"one's is {fmt_bytes(limit)} (HBM per core less reserve); its "
+                         "out-of-memory answers hold at its own limit: fit without resume")
+    if flops is not None and not math.isclose(float(flops), float(graph.no_remat_flops),
+                                              rel_tol=1e-9):
+        raise ValueError(f"resume: the earlier fit was of another step ({float(flops):.6g} "
+                         f"FLOPs without remat, this step {float(graph.no_remat_flops):.6g})")
+    out: dict[Any, _Compiled] = {}
+    for p in probes:
+        p = p if isinstance(p, dict) else dataclasses.asdict(p)
+        if p["label"] == MIX_LABEL:
+            continue
+        saved = None if p["saved"] is None else tuple(p["saved"])
+        b = int(p["bytes"])
+        out[saved] = _Compiled(None if b < 0 else b, int(p["argument_bytes"]),
+                               int(p["output_bytes"]), int(p["temp_bytes"]),
+                               int(p["alias_bytes"]), float(p["flops"]), float(p["seconds"]),
+                               oom=bool(p.get("out_of_memory", False)),
+                               reported=p.get("reported_bytes"), fixed=p.get("fixed_bytes"),
+                               transcendentals=float(p.get("transcendentals") or 0.0))
+    return out
+
+
 def _unexplored_note(left: Sequence[tuple[_Candidate, float]], best: _Candidate,
                      graph: StepGraph, used: int) -> str:
     """The plan's note on the save sets the search left (`_Search.unexplored`: greatest
@@ -466,8 +520,9 @@ def _unexplored_note(left: Sequence[tuple[_Candidate, float]], best: _Candidate,
             f"search's choice and {'are each' if many else 'is'} {PLAUSIBLE:.0%} or more "
             f"likely to fit by its model (the greatest expected gain: {_what(top.saved)}, "
             f"{p:.0%} likely, {saved:.3g} points of the step's FLOPs less recompute): fit "
-            f"again with max_compiles={used + min(len(left), 3)} for up to "
-            f"{min(len(left), 3)} compiles more")
+            f"again with max_compiles={used + min(len(left), 3)} and resume=this plan for "
+            f"up to {min(len(left), 3)} compiles more (its {used} are read back, not "
+            "compiled again)")
 
 
 def _shards_note(shards: int) -> str:
@@ -612,7 +667,8 @@ def _make_plan(graph: StepGraph, best: _Candidate, cands: Sequence[_Candidate],
         workspace_slope=model.slope, workspace_bytes=workspace,
         workspace_error_bytes=int(error), layers=layers,
         step_flops=float(graph.no_remat_flops), recompute_flops=float(recompute),
-        measured=measured, stop=stop, scale=model.scale, unexplored=unexplored)
+        measured=measured, stop=stop, scale=model.scale, unexplored=unexplored,
+        reused=sum(p.reused for p in probes))
     fwd = graph.no_remat_flops / 3 / layers
     return Plan(
         policy=_policy(best.saved), saved_tags=tuple(saved),
@@ -697,13 +753,16 @@ class FitPreview:
 def fit_preview(make_step: Callable[[Any], Any], *args: Any,
                 device: DeviceSpec | None = None, reserve: float | int | None = None,
                 **plan_options: Any) -> FitPreview:
-    """`fit`'s dry run: compile full remat only, and list the save sets fit would choose
-    its compiles among (the predicted frontier), with their predicted bytes."""
+    """`fit`'s dry run: compile full remat only (or read it back from ``resume``), and list
+    the save sets fit would choose its compiles among (the predicted frontier), with their
+    predicted bytes."""
     device, hbm, held, limit, graph, tags, max_compiles, band = _setup(
         make_step, args, device, reserve, plan_options)
     cands = _candidates(graph, tags)
     full = next(c for c in cands if c.saved == ())
-    r = compile_named(lambda: make_step(_policy(())), args, "fit --dry-run: full remat")
+    earlier = _resumed(plan_options.get("resume"), limit, graph)
+    r = earlier.get(()) or compile_named(lambda: make_step(_policy(())), args,
+                                         "fit --dry-run: full remat")
     measured = r.bytes is not None
     # an out-of-memory error's figure over the limit is the program's (`_Search._figure`)
     figure = r.bytes if measured else (
@@ -711,9 +770,7 @@ def fit_preview(make_step: Callable[[Any], Any], *args: Any,
     base = figure if figure is not None else (r.fixed or 0) + full.stored + full.read
     model = _Model(float(base - full.stored - full.read), 1.0, 1.0)
     front = _frontier(cands, lambda c: model.predict(c.stored, c.read))
-    probe = Probe("full remat", (), r.bytes if measured else -1, r.argument, r.output,
-                  r.temp, r.alias, r.flops, r.seconds, None, out_of_memory=r.oom,
-                  reported_bytes=r.reported)
+    probe = probe_of("full remat", (), r, reused=() in earlier)
     budget = max_compiles or (_max_compiles(len(tags)) if measured else
                               _oracle_cap(len(front)))
     tight = True if r.oom else None  # full remat does not fit: the rescue's budget
@@ -735,7 +792,7 @@ def fit_table(plan: Plan) -> str:
         return plan.table()
     rows = [("#", "compiled", "save", "bytes", "predicted", "fits", "GFLOP", "seconds")]
     for i, p in enumerate(rec.probes, 1):
-        what = ("per layer" if p.label == "per-layer mix" else NO_REMAT if p.saved is None
+        what = ("per layer" if p.label == MIX_LABEL else NO_REMAT if p.saved is None
                 else tag_list(p.saved, width=48))
         shown = ("out of memory" if p.out_of_memory else fmt_bytes(p.bytes) if p.bytes >= 0
                  else "-")
@@ -743,7 +800,8 @@ def fit_table(plan: Plan) -> str:
                 "yes" if p.bytes <= rec.limit_bytes else "no")
         rows.append((str(i), p.label, what, shown,
                      fmt_bytes(p.predicted_bytes) if p.predicted_bytes is not None else "-",
-                     fits, f"{p.flops / 1e9:.4g}", f"{p.seconds:.1f}"))
+                     fits, f"{p.flops / 1e9:.4g}",
+                     "resumed" if p.reused else f"{p.seconds:.1f}"))
     lines = grid(rows)
     lines.append("")
     chosen = NO_REMAT if rec.no_remat else f"save {tag_list(plan.saved_tags)}"

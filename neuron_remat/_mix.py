@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._compile import CompileFailedError, Probe, _policy, compile_named
+from ._compile import CompileFailedError, Probe, _policy, compile_named, probe_of
 from ._format import first_line, fmt_bytes
 from ._belief import _Model
 from ._search import NO_REMAT
@@ -29,6 +29,8 @@ logger = logging.getLogger("neuron_remat.fit")  # the public name, not the priva
 MIX_ATTEMPTS = 3
 """Compiles `fit_per_layer` spends on mixes: after a compiled mix misses its prediction,
 the miss is reserved and the mix chosen again."""
+MIX_LABEL = "per-layer mix"
+"""The label of a mix's compile among a plan's probes (`Probe.label`)."""
 MIX_COMPILES = 2
 """The share of a ``max_compiles`` the caller gave ``fit(..., per_layer=True)`` that the
 mix gets: no remat (the mixes' end point, when `fit` did not compile it) and one mix."""
@@ -56,7 +58,7 @@ def _mix_sets(graph: StepGraph, tags: Sequence[str], probes: Sequence[Probe]
         return graph.stored_bytes(saved), graph.read_bytes(saved)
 
     own = [p for p in probes
-           if p.bytes >= 0 and not p.out_of_memory and p.label != "per-layer mix"
+           if p.bytes >= 0 and not p.out_of_memory and p.label != MIX_LABEL
            and (p.saved is None or all(t in graph.tags for t in p.saved))]
     compiled = {p.saved: p.bytes for p in own}
     model = _Model.calibrate([(b, *shape(s)) for s, b in compiled.items()])
@@ -159,7 +161,7 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
     tags = _pool(graph, candidates)
     best_tags = tuple(t for t in tags if t in uniform.saved_tags)  # as `_mix_sets` orders
     probes = list(rec.probes)
-    has_no_remat = any(p.saved is None and p.label != "per-layer mix" for p in probes)
+    has_no_remat = any(p.saved is None and p.label != MIX_LABEL for p in probes)
     left = MIX_ATTEMPTS + 1 if max_compiles is None else max_compiles - len(probes)
     if left < 1 + (not has_no_remat):
         return keep(f"per-layer plan: not tried (the budget of {max_compiles} compiles is "
@@ -173,9 +175,7 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
                           f"fit per layer: compile {len(probes) + 1} (no remat)")
         if c.bytes is None and not c.oom:
             return keep("per-layer plan: the backend has no memory_analysis(); not tried")
-        probes.append(Probe(NO_REMAT, None, -1 if c.bytes is None else c.bytes, c.argument,
-                            c.output, c.temp, c.alias, c.flops, c.seconds,
-                            out_of_memory=c.oom, reported_bytes=c.reported))
+        probes.append(probe_of(NO_REMAT, None, c))
         say(f"compile {len(probes)}: " + ("out of memory" if c.bytes is None
                                           else fmt_bytes(c.bytes)))
         rec = dataclasses.replace(rec, probes=tuple(probes), compiles=len(probes))
@@ -237,10 +237,7 @@ def fit_per_layer(uniform: Plan, make_step: Callable[[Any], Any], *args: Any,
             return keep(why)
         if c.bytes is None and not c.oom:
             return keep("per-layer plan: the backend has no memory_analysis(); not confirmed")
-        probes.append(Probe("per-layer mix", None, c.bytes if c.bytes is not None else -1,
-                            c.argument, c.output, c.temp, c.alias, c.flops, c.seconds,
-                            predicted + reserve, out_of_memory=c.oom,
-                            reported_bytes=c.reported))
+        probes.append(probe_of(MIX_LABEL, None, c, predicted + reserve))
         say(f"compile {len(probes)}: " + ("out of memory" if c.oom else
             f"{fmt_bytes(c.bytes)} ({'fits' if not c.over(rec.limit_bytes) else 'over'} "
             f"{fmt_bytes(rec.limit_bytes)})"))

@@ -487,12 +487,14 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     from ._compile import CompileFailedError  # noqa: PLC0415
     from ._step import StepTraceError  # noqa: PLC0415
 
+    options: dict[str, Any] = {}
+    if args.resume is not None:  # before anything is printed: a bad file is one line
+        options["resume"] = _read_plan(args.resume)
     make_step, fargs = _load_factory(args.target)
     device, note = _device_for_plan(args.device)
     if note:
         print(f"note: {note}", file=sys.stderr)
     reserve: float | int | None = args.reserve
-    options: dict[str, Any] = {}
     if args.candidates:
         options["candidates"] = args.candidates
     if args.max_compiles is not None:
@@ -525,6 +527,24 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         print(f"{args.target} on {device.describe()}")
         print(fit_table(chosen))
     return 0
+
+
+def _read_plan(path: str) -> dict[str, Any]:
+    """The JSON plan at `path` (``neuron-remat fit --json`` printed it), for ``--resume``."""
+    import json  # noqa: PLC0415
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as err:
+        raise UsageError(f"--resume {path}: cannot read it ({err.strerror})") from None
+    except ValueError as err:
+        raise UsageError(f"--resume {path}: not JSON ({err}); give the file neuron-remat "
+                         "fit --json printed") from None
+    if not isinstance(data, dict) or not isinstance(data.get("compiled"), dict):
+        raise UsageError(f"--resume {path}: no fit plan in it (no \"compiled\" object); give "
+                         "the file neuron-remat fit --json printed")
+    return data
 
 
 def _cmd_presets(args: argparse.Namespace) -> int:
@@ -678,6 +698,10 @@ def _parser() -> argparse.ArgumentParser:
     ft.add_argument("--band", type=_band,
                     help="a prediction's uncertainty before any compile has missed, as a "
                          "share of full remat's bytes (default 0.02)")
+    ft.add_argument("--resume", metavar="PLAN_JSON",
+                    help="the file an earlier 'fit --json' of this target at this device and "
+                         "reserve printed: its compiles are read back, not compiled again "
+                         "(they count against --max-compiles)")
     ft.add_argument("--dry-run", action="store_true",
                     help="compile full remat only; list the save sets fit would choose "
                          "among, with their predicted bytes")

@@ -321,27 +321,31 @@ def test_fit_sweep_counts_the_plans_that_say_a_better_set_may_fit_by_hand():
     and fourth flagged), one refusal (not a plan). Misses over 0.5 points: the 1 and 3, both
     flagged; over 2: the 3, flagged; the unflagged plans (0 and 0.4) are both within 0.5.
     Run again: the 0.3 stays, the 1 becomes 0 (better), the 3 becomes 4 (worse): over 0.5
-    points 2 -> 1, over 2 points 1 -> 1."""
+    points 2 -> 1, over 2 points 1 -> 1; those second fits made 2, 0 and 3 compiles (the
+    rest read back by resume): 5 in all, 1.67 a plan."""
     with benchmarks_on_path():
         import fit_sweep
 
-    def plan(gap, again=None):
+    def plan(gap, again=None, made=0):
         row = {"outcome": "plan", "gap": gap / 100, "unexplored": int(again is not None)}
         if again is not None:
-            row["retry"] = {"outcome": "plan", "fits": True, "gap": again / 100}
+            row["retry"] = {"outcome": "plan", "fits": True, "gap": again / 100,
+                            "compiles": made, "reused": 6}
         return row
 
-    rows = [plan(0), plan(0.3, 0.3), plan(1, 0), plan(3, 4), plan(0.4),
+    rows = [plan(0), plan(0.3, 0.3, 2), plan(1, 0), plan(3, 4, 3), plan(0.4),
             {"outcome": "refused", "gap": None}]
     got = fit_sweep.flagged(rows)
     assert got == {"plans": 5, "flagged": 3, "unflagged_within_0_5": 2, "misses_0_5": 2,
                    "flagged_misses_0_5": 2, "misses_2": 1, "flagged_misses_2": 1,
                    "retried": 3, "retried_misses_0_5": 1, "retried_misses_2": 1,
-                   "retried_better": 1, "retried_worse": 1, "retried_all_fit": True}
+                   "retried_better": 1, "retried_worse": 1, "retried_new_compiles": 5,
+                   "retried_all_fit": True}
     assert fit_sweep.flagged_text(got) == (
         "3 of 5 plans flagged; of the misses over 0.5 points 2 of 2 flagged, over 2 points 1 "
         "of 1; unflagged plans within 0.5 points: 2 of 2; run again as advised: misses over "
-        "0.5 points among the flagged 2 -> 1, over 2 points 1 -> 1 (1 better, 1 worse)")
+        "0.5 points among the flagged 2 -> 1, over 2 points 1 -> 1 (1 better, 1 worse; 5 "
+        "compiles made, 1.67 a plan, the rest read back by resume)")
     once = [{k: v for k, v in r.items() if k != "retry"} for r in rows]  # no --retry
     assert "retried" not in fit_sweep.flagged(once)
 

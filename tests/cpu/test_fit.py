@@ -432,10 +432,11 @@ def _cli(*argv: str) -> subprocess.CompletedProcess:
                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
 
 
-def test_cli_fit_prints_probes_and_json(brute):
+def test_cli_fit_prints_probes_and_json(brute, tmp_path):
     hbm = brute[max((k for k in brute if k is not None), key=len)].bytes + MiB
-    out = _cli("fit", "examples.fit_demo:small_factory", "--device",
-               f"trn2.48xlarge:hbm={hbm}B:cores=1", "--reserve", "0", "--json")
+    fit_args = ("fit", "examples.fit_demo:small_factory", "--device",
+                f"trn2.48xlarge:hbm={hbm}B:cores=1", "--reserve", "0", "--json")
+    out = _cli(*fit_args)
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     assert d["compiled"]["bytes"] <= hbm and d["compiled"]["compiles"] >= 2
@@ -449,6 +450,16 @@ def test_cli_fit_prints_probes_and_json(brute):
     # why the search stopped: in the JSON as in the last progress line
     assert d["compiled"]["stop"] and (f"fit: stopped after {d['compiled']['compiles']} "
                                       f"compiles: {d['compiled']['stop']}") in out.stderr
+    # --resume with that JSON: the same search, every compile read back, none made
+    (tmp_path / "plan.json").write_text(out.stdout)
+    again = _cli(*fit_args, "--resume", str(tmp_path / "plan.json"))
+    assert again.returncode == 0, again.stderr
+    e = json.loads(again.stdout)
+    assert e["compiled"]["reused"] == e["compiled"]["compiles"] == d["compiled"]["compiles"]
+    assert e["saved_tags"] == d["saved_tags"] and e["compiled"]["bytes"] == d["compiled"]["bytes"]
+    said = [ln for ln in again.stderr.splitlines() if ln.startswith("compile ")]
+    assert len(said) == 2 * d["compiled"]["compiles"]
+    assert all(ln.endswith("(read back from resume)") for ln in said[::2]), said
 
 
 def test_cli_fit_dry_run_compiles_full_remat_only(brute):
@@ -475,7 +486,9 @@ def test_cli_fit_dry_run_compiles_full_remat_only(brute):
 
 
 @pytest.mark.parametrize("flag, value", [("--band", "nan"), ("--band", "-1"),
-                                         ("--max-compiles", "0"), ("--reserve", "nan")])
+                                         ("--max-compiles", "0"), ("--reserve", "nan"),
+                                         ("--resume", "no_such_plan.json"),
+                                         ("--resume", "setup.cfg")])
 def test_cli_fit_bad_options_are_one_line(flag, value):
     out = _cli("fit", "examples.fit_demo:small_factory", flag, value)
     assert out.returncode == 2 and flag in out.stderr and "Traceback" not in out.stderr

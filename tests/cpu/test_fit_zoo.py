@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -1275,21 +1276,106 @@ def test_a_plan_says_when_a_better_set_may_fit():
     assert got is not None and not s.points() and s.unexplored() == []
 
 
+class _Counted:
+    """`make_step` whose steps record the policy of each compile they make (`compiled`)."""
+
+    def __init__(self, make_step):
+        self._make_step, self.compiled = make_step, []
+
+    def __call__(self, policy):
+        return _CountedStep(self._make_step(policy), policy, self.compiled)
+
+
+class _CountedStep:
+    def __init__(self, step, policy, compiled):
+        self._step, self._policy, self._compiled = step, policy, compiled
+
+    def __call__(self, *args, **kwargs):
+        return self._step(*args, **kwargs)
+
+    def trace(self, *args):
+        return self._step.trace(*args)
+
+    def lower(self, *args):
+        return _CountedLowered(self._step.lower(*args), self._policy, self._compiled)
+
+
+class _CountedLowered:
+    def __init__(self, lowered, policy, compiled):
+        self._lowered, self._policy, self._compiled = lowered, policy, compiled
+
+    def __getattr__(self, name):
+        return getattr(self._lowered, name)
+
+    def compile(self):
+        self._compiled.append(self._policy)
+        return self._lowered.compile()
+
+
+def _saved(policy):
+    """A compiled policy's save set as `Probe.saved` gives it (None: no remat)."""
+    return (None if policy is jax.checkpoint_policies.everything_saveable
+            else tuple(re.sub(r"\\(.)", r"\1", t) for t in policy.save))
+
+
 def test_the_plan_states_what_a_larger_budget_would_compile(small):
     """`fit` with a budget of 3 on the small step, 10% above full remat: the plan counts the
     save sets it did not compile that recompute less and are `PLAUSIBLE` or more likely to
     fit (`CompiledFit.unexplored`), and its note names the greatest expected gain and the
-    budget that gives the search up to three compiles more. Fitting again with that budget,
-    the plan recomputes no more, and its policy compiles within the limit (XLA's figure)."""
+    budget that gives the search up to three compiles more, resuming this plan. Fitting
+    again so, the sets the first fit compiled are read back (the step is not compiled for
+    them again: the compiles are counted at the step), and the plan is the one a fresh fit
+    with that budget makes, compile for compile; it recomputes no more, and its policy
+    compiles within the limit (XLA's figure). The plan's JSON resumes as the plan does."""
+    make_step, args, (full_bytes, _) = small
+    hbm = int(full_bytes * 1.10)
+    counted = _Counted(make_step)
+    plan = nr.fit(counted, *args, device=_device(hbm), reserve=0, max_compiles=3)
+    rec = plan.compiled
+    assert rec.unexplored > 0 and rec.compiles == 3 and rec.reused == 0
+    assert [_saved(p) for p in counted.compiled] == [p.saved for p in rec.probes]
+    budget = rec.compiles + min(rec.unexplored, 3)
+    note = next(n for n in plan.notes if f"max_compiles={budget} and resume=" in n)
+    assert note.startswith(f"{rec.unexplored} save set")
+    fresh = nr.fit(make_step, *args, device=_device(hbm), reserve=0, max_compiles=budget)
+    for resume in (plan, json.loads(json.dumps(plan.to_dict()))):
+        del counted.compiled[:]
+        again = nr.fit(counted, *args, device=_device(hbm), reserve=0, max_compiles=budget,
+                       resume=resume)
+        got = again.compiled
+        first = {p.saved for p in rec.probes}
+        assert [p.saved for p in got.probes] == [p.saved for p in fresh.compiled.probes]
+        assert [(p.bytes, p.flops) for p in got.probes] == [
+            (p.bytes, p.flops) for p in fresh.compiled.probes]
+        assert [p.saved for p in got.probes if p.reused] == [
+            p.saved for p in got.probes if p.saved in first]
+        assert [_saved(p) for p in counted.compiled] == [
+            p.saved for p in got.probes if not p.reused]
+        assert got.reused == sum(p.saved in first for p in got.probes) > 0
+        assert again.saved_tags == fresh.saved_tags
+    assert again.compiled.recompute_flops <= rec.recompute_flops
+    assert _measure(make_step.real(again.policy), args)[0] <= hbm
+    # the dry run reads full remat back too: nothing compiled
+    del counted.compiled[:]
+    preview = F.fit_preview(counted, *args, device=_device(hbm), reserve=0, resume=plan)
+    assert counted.compiled == [] and preview.full_remat.reused
+    assert preview.full_remat.bytes == rec.probes[0].bytes
+
+
+def test_resume_refuses_another_limit_or_step(small):
+    """``fit(resume=...)`` reads back compiles of the same step at the same limit only: at
+    another limit an out-of-memory answer need not hold, and another step's compiles are
+    not this one's. Each refusal is one line naming what differs; a value that holds no
+    compiles is refused too."""
     make_step, args, (full_bytes, _) = small
     hbm = int(full_bytes * 1.10)
     plan = nr.fit(make_step, *args, device=_device(hbm), reserve=0, max_compiles=3)
-    rec = plan.compiled
-    assert rec.unexplored > 0 and rec.compiles == 3
-    advice = f"max_compiles={rec.compiles + min(rec.unexplored, 3)}"
-    note = next(n for n in plan.notes if advice in n)
-    assert note.startswith(f"{rec.unexplored} save set")
-    again = nr.fit(make_step, *args, device=_device(hbm), reserve=0,
-                   max_compiles=rec.compiles + min(rec.unexplored, 3))
-    assert again.compiled.recompute_flops <= rec.recompute_flops
-    assert _measure(make_step.real(again.policy), args)[0] <= hbm
+    with pytest.raises(ValueError, match=r"resume: the earlier fit's limit was .* this one's"):
+        nr.fit(make_step, *args, device=_device(hbm + 2**20), reserve=0, resume=plan)
+    other = dataclasses.replace(SMALL, layers=2)
+    with pytest.raises(ValueError, match="resume: the earlier fit was of another step"):
+        nr.fit(other.make_step(), *other.abstract_args(), device=_device(hbm), reserve=0,
+               resume=plan)
+    for bad in ("plan.json", {"compiled": {}}, object()):
+        with pytest.raises(ValueError, match=r"^resume=\w+: give the Plan"):
+            nr.fit(make_step, *args, device=_device(hbm), reserve=0, resume=bad)

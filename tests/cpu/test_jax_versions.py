@@ -2,8 +2,10 @@
 JAX's remat implementations (``jax_remat3`` where it exists), and a warning where JAX
 would ignore a policy.
 
-CI runs this file on JAX 0.7.2, 0.8.3 and 0.10.2 (the last with ``JAX_REMAT3=true`` too);
-the figures below are what all of them measure (benchmarks/jax_versions.py prints them).
+CI runs this file on JAX 0.7.2, 0.8.3, the default JAX and Python 3.12's newest; each test
+sets the implementation it runs under (`remat`), so CI's ``JAX_REMAT3=true`` run leaves
+this file out. The figures below are what all of them measure (benchmarks/jax_versions.py
+prints them).
 """
 
 import ast
