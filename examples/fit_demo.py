@@ -2,14 +2,16 @@
 attention, SwiGLU feed-forward, `reference.layer` (tests/cpu/reference.py)), the embedding and head,
 cross-entropy, and AdamW inside the jitted step with the state donated.
 
-    python examples/fit_demo.py [--hbm 32MiB] [--json]
+    python examples/fit_demo.py [--hbm 32MiB] [--json] [--max-compiles N] [--again]
     neuron-remat fit examples.fit_demo:factory        # the same step from the CLI
 
 `fit` traces the step once, compiles a few probe policies on this machine's backend
 (XLA:CPU here), learns what the compiler allocates beyond the kept residuals, and returns
 the save set with the least recompute whose compiled step fits one simulated TRN2 core
 with ``--hbm`` of memory (no reserve: the compiled figure is the whole step). The table
-lists each compile, then the plan.
+lists each compile, then the plan. With ``--again``, where the plan says a better set may
+fit (`CompiledFit.unexplored`), `fit` runs again with the budget its note advises, resuming
+the first plan: its compiles are read back, not made again.
 """
 
 from __future__ import annotations
@@ -115,12 +117,22 @@ def main(argv: Sequence[str] | None = None) -> nr.Plan:
     p.add_argument("--hbm", default="32MiB", help="HBM of the simulated core (default "
                    "32MiB: between full remat, 29 MiB, and every tag saved, 35 MiB)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--max-compiles", type=int, default=None,
+                   help="fit's compile budget (a hard cap; default: fit's own)")
+    p.add_argument("--again", action="store_true",
+                   help="where the plan says a better set may fit, fit again as its note "
+                        "advises: resuming it, with Plan.compiled.advised_max_compiles")
     args = p.parse_args(argv)
     hbm = nr.device.parse_bytes(args.hbm, what="--hbm")
     device = nr.parse_device(f"trn2.48xlarge:hbm={hbm}B:cores=1", source="fit_demo")
     make_step, step_args = factory()
     start = time.perf_counter()
-    plan = nr.fit(make_step, *step_args, device=device, reserve=0)
+    plan = nr.fit(make_step, *step_args, device=device, reserve=0,
+                  **({} if args.max_compiles is None else {"max_compiles": args.max_compiles}))
+    advised = plan.compiled.advised_max_compiles  # type: ignore[union-attr]
+    if args.again and advised is not None:  # only the compiles it did not make are made
+        plan = nr.fit(make_step, *step_args, device=device, reserve=0, max_compiles=advised,
+                      resume=plan)
     seconds = time.perf_counter() - start
     if args.json:
         import json  # noqa: PLC0415

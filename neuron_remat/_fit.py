@@ -176,7 +176,8 @@ class CompiledFit:
     `unexplored` counts the save sets the search did not compile that recompute less than
     its choice and that its model gives at least `PLAUSIBLE` (8%) chance to fit: where it
     is not 0, fitting again with a larger ``max_compiles`` may find a better plan (a note
-    names the greatest expected gain and a budget 3 compiles larger, at most). 0 where no
+    names the greatest expected gain and a budget 3 compiles larger, at most:
+    `advised_max_compiles`). 0 where no
     compile gave a byte figure (``memory_analysis()``'s or an out-of-memory error's): no
     figure calibrated the chances.
 
@@ -209,6 +210,13 @@ class CompiledFit:
     reused: int = 0
 
     @property
+    def advised_max_compiles(self) -> int | None:
+        """Where `unexplored` is not 0, the budget the plan's note advises fitting again with
+        (with ``resume=`` this plan): up to `ADVISED_MORE` compiles more than it made, one
+        per set left; None otherwise."""
+        return self.compiles + min(self.unexplored, ADVISED_MORE) if self.unexplored else None
+
+    @property
     def overhead(self) -> float:
         """Recompute as a fraction of the step without remat (every layer counted)."""
         return self.recompute_flops / self.step_flops if self.step_flops else float("nan")
@@ -224,6 +232,12 @@ class CompiledFit:
 # --------------------------------------------------------------------------------------
 # fit
 # --------------------------------------------------------------------------------------
+
+ADVISED_MORE = 3
+"""At most how many compiles more than a plan made its note advises where the search left
+sets that may fit (`CompiledFit.advised_max_compiles`): a step's compile can take minutes
+on Neuron; over the README's sweeps, fitting again so mends more than half of the flagged
+misses."""
 
 _OPTIONS = ("candidates", "max_compiles", "progress", "band", "runner_ups", "per_layer",
             "max_sets", "resume")
@@ -334,7 +348,8 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
             `Plan` an earlier `fit` of this step at this limit returned, its
             `CompiledFit`, or the JSON of either as ``neuron-remat fit --json`` prints
             it: a save set compiled there is read back, not compiled again, and still
-            counts against ``max_compiles``; see `CompiledFit.reused`).
+            counts against ``max_compiles``; see `CompiledFit.reused`; a per-layer mix is
+            compiled again).
 
     Returns a `Plan` whose `Plan.policy` is exactly what was compiled (no remat:
     ``jax.checkpoint_policies.everything_saveable``) and whose `Plan.compiled` holds that
@@ -383,11 +398,11 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
         label = ("full remat" if c.saved == () else NO_REMAT if c.saved is None
                  else "every tag saved" if not probes[1:] and len(c.saved) == len(tags)
                  else "search")
-        reused = c.saved in earlier
+        reused = _set_key(c.saved) in earlier
         progress(f"compile {len(probes) + 1}: {label} ({_what(c.saved)}) "
                  + ("(read back from resume)" if reused else "..."))
         before = "; ".join(f"{p.label} ({_what(p.saved)})" for p in probes)
-        r = earlier[c.saved] if reused else compile_named(
+        r = earlier[_set_key(c.saved)] if reused else compile_named(
             lambda: make_step(_policy(c.saved)), args,
             f"fit: compile {len(probes) + 1} ({_what(c.saved)})"
             + (f", after {before}," if before else ""))
@@ -466,12 +481,17 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
                       unexplored=len(left))
 
 
+def _set_key(saved: tuple[str, ...] | None) -> frozenset[str] | None:
+    """A save set whatever the order of its tags (None: no remat), as `_resumed` keys it."""
+    return None if saved is None else frozenset(saved)
+
+
 def _resumed(resume: Any, limit: int, graph: StepGraph) -> dict[Any, _Compiled]:
-    """The compiles of an earlier fit, by save set, for ``fit(resume=...)``: `resume` is
-    its `Plan`, its `CompiledFit`, or the JSON of either (a dict, as ``neuron-remat fit
-    --json`` prints a plan). It must be of this step (the same FLOPs without remat) at this
-    limit: an out-of-memory answer holds at one limit only. A per-layer mix's compiles
-    are left out (they are not one save set's)."""
+    """The compiles of an earlier fit, by save set (`_set_key`), for ``fit(resume=...)``:
+    `resume` is its `Plan`, its `CompiledFit`, or the JSON of either (a dict, as
+    ``neuron-remat fit --json`` prints a plan). It must be of this step (the same FLOPs
+    without remat) at this limit: an out-of-memory answer holds at one limit only. A
+    per-layer mix's compiles are left out (they are not one save set's)."""
     if resume is None:
         return {}
     rec = resume.get("compiled", resume) if isinstance(resume, dict) else getattr(
@@ -494,18 +514,22 @@ def _resumed(resume: Any, limit: int, graph: StepGraph) -> dict[Any, _Compiled]:
         raise ValueError(f"resume: the earlier fit was of another step ({float(flops):.6g} "
                          f"FLOPs without remat, this step {float(graph.no_remat_flops):.6g})")
     out: dict[Any, _Compiled] = {}
-    for p in probes:
-        p = p if isinstance(p, dict) else dataclasses.asdict(p)
-        if p["label"] == MIX_LABEL:
-            continue
-        saved = None if p["saved"] is None else tuple(p["saved"])
-        b = int(p["bytes"])
-        out[saved] = _Compiled(None if b < 0 else b, int(p["argument_bytes"]),
-                               int(p["output_bytes"]), int(p["temp_bytes"]),
-                               int(p["alias_bytes"]), float(p["flops"]), float(p["seconds"]),
-                               oom=bool(p.get("out_of_memory", False)),
-                               reported=p.get("reported_bytes"), fixed=p.get("fixed_bytes"),
-                               transcendentals=float(p.get("transcendentals") or 0.0))
+    for i, p in enumerate(probes, 1):
+        try:
+            p = p if isinstance(p, dict) else dataclasses.asdict(p)
+            if p["label"] == MIX_LABEL:
+                continue
+            b = int(p["bytes"])
+            out[_set_key(None if p["saved"] is None else tuple(p["saved"]))] = _Compiled(
+                None if b < 0 else b, int(p["argument_bytes"]), int(p["output_bytes"]),
+                int(p["temp_bytes"]), int(p["alias_bytes"]), float(p["flops"]),
+                float(p["seconds"]), oom=bool(p.get("out_of_memory", False)),
+                reported=p.get("reported_bytes"), fixed=p.get("fixed_bytes"),
+                transcendentals=float(p.get("transcendentals") or 0.0))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"resume: compile {i} of the earlier fit is not as fit writes "
+                             f"one ({type(err).__name__}: {err}); give the JSON neuron-remat "
+                             "fit --json printed, unedited") from None
     return out
 
 
@@ -516,13 +540,14 @@ def _unexplored_note(left: Sequence[tuple[_Candidate, float]], best: _Candidate,
     top, p = left[0]
     many = len(left) > 1
     saved = 100 * (best.recompute - top.recompute) / graph.no_remat_flops
+    more = min(len(left), ADVISED_MORE)
     return (f"{len(left)} save set{'s' if many else ''} not compiled recompute less than the "
             f"search's choice and {'are each' if many else 'is'} {PLAUSIBLE:.0%} or more "
             f"likely to fit by its model (the greatest expected gain: {_what(top.saved)}, "
             f"{p:.0%} likely, {saved:.3g} points of the step's FLOPs less recompute): fit "
-            f"again with max_compiles={used + min(len(left), 3)} and resume=this plan for "
-            f"up to {min(len(left), 3)} compiles more (its {used} are read back, not "
-            "compiled again)")
+            f"again with max_compiles={used + more} (Plan.compiled.advised_max_compiles) "
+            f"and resume=this plan for up to {more} compiles more (its {used} are read "
+            "back, not compiled again)")
 
 
 def _shards_note(shards: int) -> str:
@@ -761,8 +786,8 @@ def fit_preview(make_step: Callable[[Any], Any], *args: Any,
     cands = _candidates(graph, tags)
     full = next(c for c in cands if c.saved == ())
     earlier = _resumed(plan_options.get("resume"), limit, graph)
-    r = earlier.get(()) or compile_named(lambda: make_step(_policy(())), args,
-                                         "fit --dry-run: full remat")
+    r = earlier.get(frozenset()) or compile_named(lambda: make_step(_policy(())), args,
+                                                  "fit --dry-run: full remat")
     measured = r.bytes is not None
     # an out-of-memory error's figure over the limit is the program's (`_Search._figure`)
     figure = r.bytes if measured else (
@@ -770,7 +795,7 @@ def fit_preview(make_step: Callable[[Any], Any], *args: Any,
     base = figure if figure is not None else (r.fixed or 0) + full.stored + full.read
     model = _Model(float(base - full.stored - full.read), 1.0, 1.0)
     front = _frontier(cands, lambda c: model.predict(c.stored, c.read))
-    probe = probe_of("full remat", (), r, reused=() in earlier)
+    probe = probe_of("full remat", (), r, reused=frozenset() in earlier)
     budget = max_compiles or (_max_compiles(len(tags)) if measured else
                               _oracle_cap(len(front)))
     tight = True if r.oom else None  # full remat does not fit: the rescue's budget

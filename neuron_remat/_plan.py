@@ -269,6 +269,8 @@ class Plan:
         if self.compiled is not None:
             out["compiled"] = dataclasses.asdict(self.compiled)
             out["compiled"]["overhead"] = self.compiled.overhead
+            out["compiled"]["advised_max_compiles"] = getattr(
+                self.compiled, "advised_max_compiles", None)
         if self.device is not None:
             out["device"] = self.device.to_dict()
         if self.budget is not None:

@@ -456,6 +456,7 @@ def test_cli_fit_prints_probes_and_json(brute, tmp_path):
     assert again.returncode == 0, again.stderr
     e = json.loads(again.stdout)
     assert e["compiled"]["reused"] == e["compiled"]["compiles"] == d["compiled"]["compiles"]
+    assert (e["compiled"]["advised_max_compiles"] is None) == (e["compiled"]["unexplored"] == 0)
     assert e["saved_tags"] == d["saved_tags"] and e["compiled"]["bytes"] == d["compiled"]["bytes"]
     said = [ln for ln in again.stderr.splitlines() if ln.startswith("compile ")]
     assert len(said) == 2 * d["compiled"]["compiles"]

@@ -1335,7 +1335,9 @@ def test_the_plan_states_what_a_larger_budget_would_compile(small):
     assert rec.unexplored > 0 and rec.compiles == 3 and rec.reused == 0
     assert [_saved(p) for p in counted.compiled] == [p.saved for p in rec.probes]
     budget = rec.compiles + min(rec.unexplored, 3)
-    note = next(n for n in plan.notes if f"max_compiles={budget} and resume=" in n)
+    assert rec.advised_max_compiles == budget
+    assert plan.to_dict()["compiled"]["advised_max_compiles"] == budget
+    note = next(n for n in plan.notes if f"max_compiles={budget} (" in n and "resume=" in n)
     assert note.startswith(f"{rec.unexplored} save set")
     fresh = nr.fit(make_step, *args, device=_device(hbm), reserve=0, max_compiles=budget)
     for resume in (plan, json.loads(json.dumps(plan.to_dict()))):
@@ -1366,7 +1368,7 @@ def test_resume_refuses_another_limit_or_step(small):
     """``fit(resume=...)`` reads back compiles of the same step at the same limit only: at
     another limit an out-of-memory answer need not hold, and another step's compiles are
     not this one's. Each refusal is one line naming what differs; a value that holds no
-    compiles is refused too."""
+    compiles, and JSON whose compile lacks a field, are refused too."""
     make_step, args, (full_bytes, _) = small
     hbm = int(full_bytes * 1.10)
     plan = nr.fit(make_step, *args, device=_device(hbm), reserve=0, max_compiles=3)
@@ -1379,3 +1381,7 @@ def test_resume_refuses_another_limit_or_step(small):
     for bad in ("plan.json", {"compiled": {}}, object()):
         with pytest.raises(ValueError, match=r"^resume=\w+: give the Plan"):
             nr.fit(make_step, *args, device=_device(hbm), reserve=0, resume=bad)
+    edited = json.loads(json.dumps(plan.to_dict()))
+    del edited["compiled"]["probes"][1]["bytes"]
+    with pytest.raises(ValueError, match="resume: compile 2 of the earlier fit is not as fit"):
+        nr.fit(make_step, *args, device=_device(hbm), reserve=0, resume=edited)
