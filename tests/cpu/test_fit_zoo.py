@@ -70,18 +70,20 @@ class _EachProgramOnce:
     tests below compile the same save sets of one step again and again, and XLA compiles
     one program to the same executable, figures and all. `fit`'s compiles are read from
     `PROGRAMS` where it holds the program (its compiler being this one); `real` gives steps
-    that compile here (once per program), for the figures each plan is held to."""
+    that compile here (once per program), for the figures each plan is held to. `asked`
+    records the policy of each compile asked of a step (served or not), in order."""
 
     def __init__(self, make_step):
         self._make_step, self._compiled, self.served = make_step, {}, 0
+        self.asked = []
         data = FS.written_here(PROGRAMS)
         self.rows = {} if data is None else data["programs"]
 
     def __call__(self, policy):
-        return _OnceStep(self._make_step(policy), self, served=True)
+        return _OnceStep(self._make_step(policy), self, True, policy)
 
     def real(self, policy):
-        return _OnceStep(self._make_step(policy), self, served=False)
+        return _OnceStep(self._make_step(policy), self, False, policy)
 
     def write(self) -> None:
         """`PROGRAMS`, from every program compiled here in this run."""
@@ -93,8 +95,8 @@ class _EachProgramOnce:
 
 
 class _OnceStep:
-    def __init__(self, step, programs, served):
-        self._step, self._programs, self._served = step, programs, served
+    def __init__(self, step, programs, served, policy):
+        self._step, self._programs, self._served, self._policy = step, programs, served, policy
 
     def __call__(self, *args, **kwargs):
         return self._step(*args, **kwargs)
@@ -103,18 +105,21 @@ class _OnceStep:
         return self._step.trace(*args)
 
     def lower(self, *args):
-        return _OnceLowered(self._step.lower(*args), self._programs, self._served)
+        return _OnceLowered(self._step.lower(*args), self._programs, self._served,
+                            self._policy)
 
 
 class _OnceLowered:
-    def __init__(self, lowered, programs, served):
+    def __init__(self, lowered, programs, served, policy):
         self._lowered, self._programs, self._served = lowered, programs, served
+        self._policy = policy
 
     def __getattr__(self, name):
         return getattr(self._lowered, name)
 
     def compile(self):
         text, p = self._lowered.as_text(), self._programs
+        p.asked.append(self._policy)
         if text in p._compiled:
             return p._compiled[text]
         row = p.rows.get(FS.C.program_key(text)) if self._served else None
@@ -1276,42 +1281,6 @@ def test_a_plan_says_when_a_better_set_may_fit():
     assert got is not None and not s.points() and s.unexplored() == []
 
 
-class _Counted:
-    """`make_step` whose steps record the policy of each compile they make (`compiled`)."""
-
-    def __init__(self, make_step):
-        self._make_step, self.compiled = make_step, []
-
-    def __call__(self, policy):
-        return _CountedStep(self._make_step(policy), policy, self.compiled)
-
-
-class _CountedStep:
-    def __init__(self, step, policy, compiled):
-        self._step, self._policy, self._compiled = step, policy, compiled
-
-    def __call__(self, *args, **kwargs):
-        return self._step(*args, **kwargs)
-
-    def trace(self, *args):
-        return self._step.trace(*args)
-
-    def lower(self, *args):
-        return _CountedLowered(self._step.lower(*args), self._policy, self._compiled)
-
-
-class _CountedLowered:
-    def __init__(self, lowered, policy, compiled):
-        self._lowered, self._policy, self._compiled = lowered, policy, compiled
-
-    def __getattr__(self, name):
-        return getattr(self._lowered, name)
-
-    def compile(self):
-        self._compiled.append(self._policy)
-        return self._lowered.compile()
-
-
 def _saved(policy):
     """A compiled policy's save set as `Probe.saved` gives it (None: no remat)."""
     return (None if policy is jax.checkpoint_policies.everything_saveable
@@ -1323,17 +1292,17 @@ def test_the_plan_states_what_a_larger_budget_would_compile(small):
     save sets it did not compile that recompute less and are `PLAUSIBLE` or more likely to
     fit (`CompiledFit.unexplored`), and its note names the greatest expected gain and the
     budget that gives the search up to three compiles more, resuming this plan. Fitting
-    again so, the sets the first fit compiled are read back (the step is not compiled for
-    them again: the compiles are counted at the step), and the plan is the one a fresh fit
-    with that budget makes, compile for compile; it recomputes no more, and its policy
-    compiles within the limit (XLA's figure). The plan's JSON resumes as the plan does."""
+    again so, the sets the first fit compiled are read back (each compile asked of the step
+    is recorded: none for them), and the plan is the one a fresh fit with that budget
+    makes, compile for compile; it recomputes no more, and its policy compiles within the
+    limit (XLA's figure). The plan's JSON resumes as the plan does."""
     make_step, args, (full_bytes, _) = small
     hbm = int(full_bytes * 1.10)
-    counted = _Counted(make_step)
-    plan = nr.fit(counted, *args, device=_device(hbm), reserve=0, max_compiles=3)
+    del make_step.asked[:]
+    plan = nr.fit(make_step, *args, device=_device(hbm), reserve=0, max_compiles=3)
     rec = plan.compiled
     assert rec.unexplored > 0 and rec.compiles == 3 and rec.reused == 0
-    assert [_saved(p) for p in counted.compiled] == [p.saved for p in rec.probes]
+    assert [_saved(p) for p in make_step.asked] == [p.saved for p in rec.probes]
     budget = rec.compiles + min(rec.unexplored, 3)
     assert rec.advised_max_compiles == budget
     assert plan.to_dict()["compiled"]["advised_max_compiles"] == budget
@@ -1341,8 +1310,8 @@ def test_the_plan_states_what_a_larger_budget_would_compile(small):
     assert note.startswith(f"{rec.unexplored} save set")
     fresh = nr.fit(make_step, *args, device=_device(hbm), reserve=0, max_compiles=budget)
     for resume in (plan, json.loads(json.dumps(plan.to_dict()))):
-        del counted.compiled[:]
-        again = nr.fit(counted, *args, device=_device(hbm), reserve=0, max_compiles=budget,
+        del make_step.asked[:]
+        again = nr.fit(make_step, *args, device=_device(hbm), reserve=0, max_compiles=budget,
                        resume=resume)
         got = again.compiled
         first = {p.saved for p in rec.probes}
@@ -1351,16 +1320,16 @@ def test_the_plan_states_what_a_larger_budget_would_compile(small):
             (p.bytes, p.flops) for p in fresh.compiled.probes]
         assert [p.saved for p in got.probes if p.reused] == [
             p.saved for p in got.probes if p.saved in first]
-        assert [_saved(p) for p in counted.compiled] == [
+        assert [_saved(p) for p in make_step.asked] == [
             p.saved for p in got.probes if not p.reused]
         assert got.reused == sum(p.saved in first for p in got.probes) > 0
         assert again.saved_tags == fresh.saved_tags
     assert again.compiled.recompute_flops <= rec.recompute_flops
     assert _measure(make_step.real(again.policy), args)[0] <= hbm
     # the dry run reads full remat back too: nothing compiled
-    del counted.compiled[:]
-    preview = F.fit_preview(counted, *args, device=_device(hbm), reserve=0, resume=plan)
-    assert counted.compiled == [] and preview.full_remat.reused
+    del make_step.asked[:]
+    preview = F.fit_preview(make_step, *args, device=_device(hbm), reserve=0, resume=plan)
+    assert make_step.asked == [] and preview.full_remat.reused
     assert preview.full_remat.bytes == rec.probes[0].bytes
 
 
