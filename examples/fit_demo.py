@@ -127,8 +127,11 @@ def main(argv: Sequence[str] | None = None) -> nr.Plan:
     device = nr.parse_device(f"trn2.48xlarge:hbm={hbm}B:cores=1", source="fit_demo")
     make_step, step_args = factory()
     start = time.perf_counter()
-    plan = nr.fit(make_step, *step_args, device=device, reserve=0,
-                  **({} if args.max_compiles is None else {"max_compiles": args.max_compiles}))
+    try:
+        plan = nr.fit(make_step, *step_args, device=device, reserve=0,
+                      **({} if args.max_compiles is None else {"max_compiles": args.max_compiles}))
+    except ValueError as err:  # a budget under 3, or no set fits --hbm: one line
+        raise SystemExit(f"fit_demo: {err}") from None
     advised = plan.compiled.advised_max_compiles  # type: ignore[union-attr]
     if args.again and advised is not None:  # only the compiles it did not make are made
         plan = nr.fit(make_step, *step_args, device=device, reserve=0, max_compiles=advised,
