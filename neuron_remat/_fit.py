@@ -183,7 +183,8 @@ class CompiledFit:
 
     `reused` counts the compiles taken from an earlier fit of the same step at the same
     limit (``fit(resume=...)``): those of `compiles` that were not compiled again (each
-    such probe's `Probe.reused` is True)."""
+    such probe's `Probe.reused` is True). `step_key` names the step (`_step_key`): a fit
+    resumes only a fit of the step with the same key."""
 
     hbm_bytes: int
     reserve_bytes: int
@@ -208,6 +209,7 @@ class CompiledFit:
     mix_recompute_flops: float | None = None
     unexplored: int = 0
     reused: int = 0
+    step_key: str = ""
 
     @property
     def advised_max_compiles(self) -> int | None:
@@ -379,7 +381,8 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
     device, hbm, held, limit, graph, tags, max_compiles, band = _setup(
         make_step, args, device, reserve, plan_options)
     cands = _candidates(graph, tags)
-    earlier = _resumed(plan_options.get("resume"), limit, graph)
+    key = _step_key(graph, args)
+    earlier = _resumed(plan_options.get("resume"), limit, key)
     budget = max_compiles or _max_compiles(len(tags))
     stretch = _stretch(len(tags), budget_given=max_compiles is not None)
     probes: list[Probe] = []
@@ -478,7 +481,7 @@ def fit(make_step: Callable[[Any], Any], *args: Any, device: DeviceSpec | None =
     return _make_plan(graph, best, cands, device, hbm, held, limit, probes, model, tags, r,
                       plan_options, measured=measured, extra_notes=notes,
                       over={s for s, c in results.items() if c.over(limit)}, stop=search.stop,
-                      unexplored=len(left))
+                      unexplored=len(left), step_key=key)
 
 
 def _set_key(saved: tuple[str, ...] | None) -> frozenset[str] | None:
@@ -486,12 +489,30 @@ def _set_key(saved: tuple[str, ...] | None) -> frozenset[str] | None:
     return None if saved is None else frozenset(saved)
 
 
-def _resumed(resume: Any, limit: int, graph: StepGraph) -> dict[Any, _Compiled]:
+def _step_key(graph: StepGraph, args: Sequence[Any]) -> str:
+    """What names a step for ``fit(resume=...)``: a digest of its arguments' shapes and
+    dtypes, its tags, and the trace's figures (FLOPs without remat, bytes kept with
+    nothing and with everything saved, layer runs, pieces per core). Two steps that differ
+    there compile to different programs; two that agree there may still (a changed
+    activation of the same cost), which the caller of ``resume`` answers for."""
+    import hashlib  # noqa: PLC0415
+
+    import jax  # noqa: PLC0415
+
+    leaves = [(tuple(getattr(a, "shape", ())), str(getattr(a, "dtype", type(a).__name__)))
+              for a in jax.tree.leaves(args)]
+    text = repr((leaves, tuple(graph.tags), float(graph.no_remat_flops),
+                 graph.kept_bytes(()), graph.no_remat_kept_bytes(), graph.count,
+                 graph.shards))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _resumed(resume: Any, limit: int, key: str) -> dict[Any, _Compiled]:
     """The compiles of an earlier fit, by save set (`_set_key`), for ``fit(resume=...)``:
     `resume` is its `Plan`, its `CompiledFit`, or the JSON of either (a dict, as
-    ``neuron-remat fit --json`` prints a plan). It must be of this step (the same FLOPs
-    without remat) at this limit: an out-of-memory answer holds at one limit only. A
-    per-layer mix's compiles are left out (they are not one save set's)."""
+    ``neuron-remat fit --json`` prints a plan). It must be of this step (its `step_key`,
+    `key`) at this limit: an out-of-memory answer holds at one limit only. A per-layer
+    mix's compiles are left out (they are not one save set's)."""
     if resume is None:
         return {}
     rec = resume.get("compiled", resume) if isinstance(resume, dict) else getattr(
@@ -500,7 +521,7 @@ def _resumed(resume: Any, limit: int, graph: StepGraph) -> dict[Any, _Compiled]:
     def get(key: str) -> Any:
         return rec.get(key) if isinstance(rec, dict) else getattr(rec, key, None)
 
-    probes, lim, flops = get("probes"), get("limit_bytes"), get("step_flops")
+    probes, lim, earlier_key = get("probes"), get("limit_bytes"), get("step_key")
     if probes is None or lim is None:
         raise ValueError(f"resume={type(resume).__name__}: give the Plan an earlier fit "
                          "returned, its CompiledFit, or the JSON neuron-remat fit --json "
@@ -509,10 +530,10 @@ def _resumed(resume: Any, limit: int, graph: StepGraph) -> dict[Any, _Compiled]:
         raise ValueError(f"resume: the earlier fit's limit was {fmt_bytes(int(lim))}, this "
                          f"one's is {fmt_bytes(limit)} (HBM per core less reserve); its "
                          "out-of-memory answers hold at its own limit: fit without resume")
-    if flops is not None and not math.isclose(float(flops), float(graph.no_remat_flops),
-                                              rel_tol=1e-9):
-        raise ValueError(f"resume: the earlier fit was of another step ({float(flops):.6g} "
-                         f"FLOPs without remat, this step {float(graph.no_remat_flops):.6g})")
+    if earlier_key != key:
+        raise ValueError(f"resume: the earlier fit was of another step (step key "
+                         f"{earlier_key!r}, this step's {key!r}: its arguments' shapes or "
+                         "dtypes, its tags or its traced bytes and FLOPs differ)")
     out: dict[Any, _Compiled] = {}
     for i, p in enumerate(probes, 1):
         try:
@@ -627,7 +648,7 @@ def _make_plan(graph: StepGraph, best: _Candidate, cands: Sequence[_Candidate],
                probes: Sequence[Probe], model: _Model, tags: Sequence[str],
                compiled: _Compiled, options: dict[str, Any], measured: bool = True,
                extra_notes: Sequence[str] = (), over: set[Any] | None = None,
-               stop: str = "", unexplored: int = 0) -> Plan:
+               stop: str = "", unexplored: int = 0, step_key: str = "") -> Plan:
     layers = graph.depth
     notes = list(extra_notes)
     if graph.count != layers:
@@ -693,7 +714,7 @@ def _make_plan(graph: StepGraph, best: _Candidate, cands: Sequence[_Candidate],
         workspace_error_bytes=int(error), layers=layers,
         step_flops=float(graph.no_remat_flops), recompute_flops=float(recompute),
         measured=measured, stop=stop, scale=model.scale, unexplored=unexplored,
-        reused=sum(p.reused for p in probes))
+        reused=sum(p.reused for p in probes), step_key=step_key)
     fwd = graph.no_remat_flops / 3 / layers
     return Plan(
         policy=_policy(best.saved), saved_tags=tuple(saved),
@@ -785,7 +806,7 @@ def fit_preview(make_step: Callable[[Any], Any], *args: Any,
         make_step, args, device, reserve, plan_options)
     cands = _candidates(graph, tags)
     full = next(c for c in cands if c.saved == ())
-    earlier = _resumed(plan_options.get("resume"), limit, graph)
+    earlier = _resumed(plan_options.get("resume"), limit, _step_key(graph, args))
     r = earlier.get(frozenset()) or compile_named(lambda: make_step(_policy(())), args,
                                                   "fit --dry-run: full remat")
     measured = r.bytes is not None

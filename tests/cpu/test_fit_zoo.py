@@ -1347,6 +1347,11 @@ def test_resume_refuses_another_limit_or_step(small):
     with pytest.raises(ValueError, match="resume: the earlier fit was of another step"):
         nr.fit(other.make_step(), *other.abstract_args(), device=_device(hbm), reserve=0,
                resume=plan)
+    # the same layers at another batch: the same tags, other shapes
+    wider = dataclasses.replace(SMALL, batch=2 * SMALL.batch)
+    with pytest.raises(ValueError, match="resume: the earlier fit was of another step"):
+        nr.fit(wider.make_step(), *wider.abstract_args(), device=_device(hbm), reserve=0,
+               resume=plan)
     for bad in ("plan.json", {"compiled": {}}, object()):
         with pytest.raises(ValueError, match=r"^resume=\w+: give the Plan"):
             nr.fit(make_step, *args, device=_device(hbm), reserve=0, resume=bad)
