@@ -216,7 +216,7 @@ class CompiledFit:
         """Where `unexplored` is not 0, the budget the plan's note advises fitting again with
         (with ``resume=`` this plan): up to `ADVISED_MORE` compiles more than it made, one
         per set left; None otherwise."""
-        return self.compiles + min(self.unexplored, ADVISED_MORE) if self.unexplored else None
+        return _advised(self.compiles, self.unexplored)
 
     @property
     def overhead(self) -> float:
@@ -554,6 +554,12 @@ def _resumed(resume: Any, limit: int, key: str) -> dict[Any, _Compiled]:
     return out
 
 
+def _advised(compiles: int, left: int) -> int | None:
+    """The budget to fit again with after `compiles`, where the search left `left` sets
+    that may fit: one compile more per set, up to `ADVISED_MORE`; None where it left none."""
+    return compiles + min(left, ADVISED_MORE) if left else None
+
+
 def _unexplored_note(left: Sequence[tuple[_Candidate, float]], best: _Candidate,
                      graph: StepGraph, used: int) -> str:
     """The plan's note on the save sets the search left (`_Search.unexplored`: greatest
@@ -561,14 +567,14 @@ def _unexplored_note(left: Sequence[tuple[_Candidate, float]], best: _Candidate,
     top, p = left[0]
     many = len(left) > 1
     saved = 100 * (best.recompute - top.recompute) / graph.no_remat_flops
-    more = min(len(left), ADVISED_MORE)
+    budget = _advised(used, len(left)) or used  # `left` is never empty here
     return (f"{len(left)} save set{'s' if many else ''} not compiled recompute less than the "
             f"search's choice and {'are each' if many else 'is'} {PLAUSIBLE:.0%} or more "
             f"likely to fit by its model (the greatest expected gain: {_what(top.saved)}, "
             f"{p:.0%} likely, {saved:.3g} points of the step's FLOPs less recompute): fit "
-            f"again with max_compiles={used + more} (Plan.compiled.advised_max_compiles) "
-            f"and resume=this plan for up to {more} compiles more (its {used} are read "
-            "back, not compiled again)")
+            f"again with max_compiles={budget} (Plan.compiled.advised_max_compiles) and "
+            f"resume=this plan for up to {budget - used} compiles more (its {used} are "
+            "read back, not compiled again)")
 
 
 def _shards_note(shards: int) -> str:
